@@ -1,0 +1,1 @@
+"""The torch adapter: everything that imports torch lives in this package."""

@@ -1,0 +1,440 @@
+"""Module calls as ops: the call tree of SPEC §1 (root, containers, layer-level ops, children).
+
+While the probe is awake, `torch.nn.Module.__call__` is replaced by a thin wrapper; while it
+sleeps the original is back in place and the model pays nothing. Each thread keeps its own op
+stack, so a server running the model in worker threads gets one consistent tree per thread.
+
+* A module called with an empty stack is a *root*: its call is one *round*, and the round's
+  configuration is fixed when it starts (a config change applies at the next round).
+* The root is a *container*; so is any module called from a container that owns an
+  `nn.ModuleList`/`nn.Sequential` of two or more modules (or is such a sequence itself).
+* Non-container modules called from a container are *layer-level* ops, numbered 0, 1, 2... in
+  the round. Below them every module and kernel is a *child*, numbered among its siblings.
+
+Children are followed only inside layer-level ops whose subtree the selection may write; every
+other call goes straight to the original `__call__` after one stack check.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from .. import log
+from ..naming import sanitize
+from ..selection import LayerPlan, SKIP_LAYER
+from .kernels import KernelCapture, bind_kernel_args, kernel_info
+from .recorder import Recorder
+
+_CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
+
+
+class ModuleInfo:
+    """What the probe needs to know about one module, computed once."""
+
+    __slots__ = ("name", "is_container", "params", "__weakref__")
+
+    def __init__(self, module: nn.Module):
+        self.name = sanitize(type(module).__name__)
+        self.is_container = _is_container(module)
+        self.params = _forward_params(type(module))
+
+
+def _is_container(module: nn.Module) -> bool:
+    if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(module) >= 2:
+        return True
+    return any(isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2
+               for child in module._modules.values())
+
+
+_PARAMS_CACHE: dict = {}
+
+
+def _forward_params(cls) -> tuple:
+    """(positional names, *args name or None, keyword-able names in order) of `cls.forward`."""
+    forward = getattr(cls, "forward", None)
+    cached = _PARAMS_CACHE.get(forward)
+    if cached is not None:
+        return cached
+    positional, var_pos, ordered = [], None, []
+    try:
+        sig = inspect.signature(forward)
+        for p in list(sig.parameters.values())[1:]:  # skip self
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                positional.append(p.name)
+                ordered.append(p.name)
+            elif p.kind is p.VAR_POSITIONAL:
+                var_pos = p.name
+            elif p.kind is p.KEYWORD_ONLY:
+                ordered.append(p.name)
+    except (TypeError, ValueError):
+        pass
+    result = (tuple(positional), var_pos, tuple(ordered))
+    _PARAMS_CACHE[forward] = result
+    return result
+
+
+def bind_module_args(params: tuple, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
+    """A forward's arguments as (parameter name, value): positional, then keywords in signature
+    order, then any other keywords."""
+    positional, var_pos, ordered = params
+    pairs = []
+    for i, value in enumerate(args):
+        if i < len(positional):
+            pairs.append((positional[i], value))
+        else:
+            pairs.append((f"{var_pos or 'args'}_{i - len(positional)}", value))
+    if kwargs:
+        for name in ordered:
+            if name in kwargs:
+                pairs.append((name, kwargs[name]))
+        for name, value in kwargs.items():
+            if name not in ordered:
+                pairs.append((name, value))
+    return pairs
+
+
+class Frame:
+    """One op execution on a thread's op stack."""
+
+    __slots__ = ("op_id", "name", "full_name", "rel", "children", "dump", "dump_children",
+                 "passthrough", "track", "container", "nodes", "layer", "inputs", "outputs",
+                 "param")
+
+    def __init__(self, op_id="", name="", full_name="", rel="", dump=False, dump_children=False,
+                 passthrough=True, track=False, container=False, layer=None):
+        self.op_id = op_id
+        self.name = name
+        self.full_name = full_name
+        self.rel = rel                # op folder relative to the round folder
+        self.children = 0             # child IDs handed out so far
+        self.dump = dump
+        self.dump_children = dump_children
+        self.passthrough = passthrough  # calls below go straight to the original __call__
+        self.track = track
+        self.container = container
+        self.nodes = None             # structure of the children, when collected
+        self.layer = layer            # the enclosing layer-level op execution
+        self.inputs = 0               # number of input tensors (for structure files)
+        self.outputs = 0
+        self.param = None             # op_param.json content, once known
+
+
+class Round:
+    """One root call: its number, the configuration it runs under, and its progress."""
+
+    __slots__ = ("index", "selection", "config", "rel", "dumping", "layer_count", "layer_nodes",
+                 "root_name", "phase", "root_module")
+
+    def __init__(self, index, selection, rel, dumping):
+        self.index = index
+        self.selection = selection
+        self.config = selection.config if selection is not None else None
+        self.rel = rel
+        self.dumping = dumping
+        self.layer_count = 0
+        self.layer_nodes = []
+        self.root_name = ""
+        self.phase = "Forward"
+        self.root_module = None
+
+
+class LayerRun:
+    """Per layer-level op execution: what was written (for filter_level 1) and structure."""
+
+    __slots__ = ("written", "collect")
+
+    def __init__(self, collect: bool):
+        self.written = {}     # same_bytes_key -> (weakref to tensor, version, path in round)
+        self.collect = collect
+
+
+class _ThreadState(threading.local):
+    def __init__(self):
+        self.stack: list[Frame] = []
+        self.round: Round | None = None
+
+
+_PASS = Frame()
+
+
+class Engine:
+    """Installs the `__call__` wrapper and walks the call tree for one `Probe`."""
+
+    def __init__(self, probe):
+        self.probe = probe
+        self.tls = _ThreadState()
+        self.recorder = Recorder(probe)
+        self._infos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._original = None
+        self._lock = threading.Lock()
+        self.active_rounds = 0
+        self._sleep_requested = False
+
+    # -- installing -------------------------------------------------------------------------
+
+    @property
+    def installed(self) -> bool:
+        return self._original is not None
+
+    def install(self) -> None:
+        with self._lock:
+            self._sleep_requested = False
+            if self._original is not None:
+                return
+            original = nn.Module.__call__
+            engine, tls = self, self.tls
+
+            def __call__(module, *args, **kwargs):
+                stack = tls.stack
+                if stack:
+                    top = stack[-1]
+                    if top.passthrough:
+                        return original(module, *args, **kwargs)
+                    return engine.child_call(top, module, args, kwargs)
+                return engine.root_call(module, args, kwargs)
+
+            __call__.__atb_probe__ = True
+            self._original = original
+            nn.Module.__call__ = __call__
+
+    def uninstall(self, force: bool = False) -> None:
+        """Put the original `__call__` back, at once when no round is running, else after the
+        last running round ends (a round is never cut in two)."""
+        with self._lock:
+            if self._original is None:
+                return
+            if self.active_rounds and not force:
+                self._sleep_requested = True
+                return
+            if getattr(nn.Module.__call__, "__atb_probe__", False):
+                nn.Module.__call__ = self._original
+            self._original = None
+            self._sleep_requested = False
+
+    def after_fork(self) -> None:
+        """In a forked child only the forking thread survives: start its stack afresh."""
+        self.tls.stack.clear()
+        self.tls.round = None
+        self._lock = threading.Lock()
+        self.active_rounds = 0
+
+    @property
+    def original_call(self):
+        return self._original or nn.Module.__call__
+
+    def info(self, module) -> ModuleInfo:
+        info = self._infos.get(module)
+        if info is None:
+            info = ModuleInfo(module)
+            self._infos[module] = info
+        return info
+
+    # -- roots and rounds -------------------------------------------------------------------
+
+    def root_call(self, module, args, kwargs):
+        original = self.original_call
+        stack = self.tls.stack
+        rnd = None
+        try:
+            if _joined_mid_call() or torch.compiler.is_compiling():
+                frame = _PASS
+            else:
+                rnd = self.begin_round(module, args, kwargs)
+                frame = Frame(container=True, passthrough=not rnd.dumping)
+        except Exception as exc:
+            self.probe.report(exc)
+            frame = _PASS
+        stack.append(frame)
+        try:
+            return original(module, *args, **kwargs)
+        finally:
+            stack.pop()
+            if rnd is not None:
+                self.end_round(rnd)
+
+    def begin_round(self, module, args, kwargs) -> Round:
+        probe = self.probe
+        selection = probe.selection
+        index = probe.next_round()
+        with self._lock:
+            self.active_rounds += 1
+        device = probe.decide_device(module, args, kwargs)
+        dumping = selection is not None and selection.round_selected(index, device)
+        rnd = Round(index, selection, f"data/{probe.devpid}/{index}", dumping)
+        self.tls.round = rnd
+        if dumping:
+            info = self.info(module)
+            rnd.root_name = info.name
+            rnd.root_module = module
+            rnd.phase = _phase(info.params, args, kwargs)
+        return rnd
+
+    def end_round(self, rnd: Round) -> None:
+        self.tls.round = None
+        try:
+            if rnd.dumping:
+                self.recorder.end_round(rnd)
+        except Exception as exc:
+            self.probe.report(exc)
+        finally:
+            with self._lock:
+                self.active_rounds -= 1
+                sleep = self._sleep_requested and not self.active_rounds
+            if sleep:
+                self.uninstall()
+
+    # -- ops below the root -----------------------------------------------------------------
+
+    def child_call(self, parent: Frame, module, args, kwargs):
+        original = self.original_call
+        rnd = self.tls.round
+        mode = None
+        try:
+            frame, mode = self.enter(rnd, parent, module, args, kwargs)
+        except Exception as exc:
+            self.probe.report(exc)
+            frame = None
+        if frame is None:
+            return original(module, *args, **kwargs)
+        stack = self.tls.stack
+        stack.append(frame)
+        if mode is not None:
+            mode.__enter__()
+        try:
+            out = original(module, *args, **kwargs)
+        finally:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+            stack.pop()
+        try:
+            self.leave(rnd, parent, frame, out)
+        except Exception as exc:
+            self.probe.report(exc)
+        return out
+
+    def enter(self, rnd: Round, parent: Frame, module, args, kwargs):
+        info = self.info(module)
+        if parent.container:
+            if info.is_container:
+                return Frame(container=True, passthrough=False), None
+            return self.enter_layer(rnd, module, info, args, kwargs)
+        index = parent.children
+        parent.children += 1
+        op_id = f"{parent.op_id}_{index}"
+        full_name = f"{parent.full_name}/{info.name}"
+        dump, dump_children = rnd.selection.child_selected(op_id, full_name, info.name,
+                                                           parent.dump_children)
+        frame = Frame(op_id, info.name, full_name, f"{parent.rel}/{index}_{info.name}", dump,
+                      dump_children, passthrough=False, track=True, layer=parent.layer)
+        with torch._C._DisableTorchDispatch():
+            self.recorder.module_inputs(rnd, frame, module, info, args, kwargs, named=True)
+        return frame, None
+
+    def enter_layer(self, rnd: Round, module, info: ModuleInfo, args, kwargs):
+        index = rnd.layer_count
+        rnd.layer_count += 1
+        op_id = str(index)
+        plan: LayerPlan = rnd.selection.layer_plan(op_id, info.name) if rnd.selection else \
+            SKIP_LAYER
+        layer = LayerRun(self.recorder.wants_structure(rnd, info.name, op_id, plan.track_children))
+        frame = Frame(op_id, info.name, info.name, f"{op_id}_{info.name}", plan.dump,
+                      plan.dump_children, passthrough=not plan.track_children,
+                      track=plan.track_children, layer=layer)
+        self.recorder.module_inputs(rnd, frame, module, info, args, kwargs, named=False)
+        mode = KernelCapture(self) if plan.track_children else None
+        return frame, mode
+
+    def leave(self, rnd: Round, parent: Frame, frame: Frame, out) -> None:
+        if frame.container and not frame.op_id:
+            return
+        is_layer = parent.container
+        with torch._C._DisableTorchDispatch():
+            self.recorder.module_outputs(rnd, frame, out, named=not is_layer)
+        if is_layer:
+            self.recorder.layer_done(rnd, frame)
+        else:
+            self.recorder.child_done(parent, frame)
+
+    # -- kernels ----------------------------------------------------------------------------
+
+    def kernel_call(self, func, args, kwargs):
+        stack = self.tls.stack
+        top = stack[-1] if stack else None
+        if top is None or not top.track:
+            return func(*args, **kwargs)
+        rnd = self.tls.round
+        frame = None
+        try:
+            op_name, kname, names, written = kernel_info(func)
+            index = top.children
+            top.children += 1
+            op_id = f"{top.op_id}_{index}"
+            full_name = f"{top.full_name}/{kname}"
+            dump, _ = rnd.selection.child_selected(op_id, full_name, kname, top.dump_children)
+            frame = Frame(op_id, kname, full_name, f"{top.rel}/{index}_{kname}", dump, False,
+                          passthrough=True, track=False, layer=top.layer)
+            pairs = bind_kernel_args(names, args, kwargs)
+            self.recorder.kernel_inputs(rnd, frame, op_name, pairs)
+        except Exception as exc:
+            self.probe.report(exc)
+            frame = None
+        out = func(*args, **kwargs)
+        if frame is not None:
+            try:
+                if written:
+                    self.recorder.forget_written(frame.layer, pairs, written)
+                self.recorder.kernel_outputs(rnd, frame, out)
+                self.recorder.child_done(top, frame)
+            except Exception as exc:
+                self.probe.report(exc)
+        return out
+
+
+def _joined_mid_call() -> bool:
+    """Whether this "root" is really a child of a module call that began before we were
+    installed (the probe woke up in the middle of a forward): such a call is not a round."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_CACHE_PARAMS = ("past_key_values", "past_key_value", "kv_cache", "cache", "layer_past", "past")
+
+
+def _phase(params: tuple, args: tuple, kwargs: dict) -> str:
+    """Prefill, Decoder (a KV cache with content came in) or Forward (no cache argument)."""
+    positional, _, ordered = params
+    name = next((n for n in _CACHE_PARAMS if n in ordered), None)
+    if name is None:
+        return "Forward"
+    if name in kwargs:
+        value = kwargs[name]
+    elif name in positional and positional.index(name) < len(args):
+        value = args[positional.index(name)]
+    else:
+        value = None
+    return "Decoder" if _has_content(value) else "Prefill"
+
+
+def _has_content(cache) -> bool:
+    if cache is None:
+        return False
+    length = getattr(cache, "get_seq_length", None)
+    if callable(length):
+        try:
+            return int(length()) > 0
+        except Exception:
+            return False
+    if isinstance(cache, torch.Tensor):
+        return cache.numel() > 0
+    if isinstance(cache, (tuple, list)):
+        return any(_has_content(c) for c in cache)
+    return True

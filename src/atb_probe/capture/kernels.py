@@ -1,0 +1,52 @@
+"""ATen kernels as ops: a `TorchDispatchMode` pushed only while a tracked layer-level op runs.
+
+Every ATen operator that reaches the dispatcher inside such an op becomes a kernel child of the
+innermost module on the op stack (SPEC §1). The mode is pushed on the thread's own dispatch-mode
+stack, so other threads and the rest of the model never pay for it.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..naming import kernel_name
+
+
+class KernelCapture(TorchDispatchMode):
+    """Hands every kernel executed in this thread to `engine.kernel_call`."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.engine.kernel_call(func, args, kwargs or {})
+
+
+@lru_cache(maxsize=4096)
+def kernel_info(func) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
+    """(op name, `<CamelCase>Kernel` name, argument names, names of arguments written in place)."""
+    op_name = str(func)
+    try:
+        arguments = func._schema.arguments
+        names = tuple(a.name for a in arguments)
+        written = tuple(a.name for a in arguments
+                        if a.alias_info is not None and a.alias_info.is_write)
+    except Exception:
+        names, written = (), ()
+    return op_name, kernel_name(op_name), names, written
+
+
+def bind_kernel_args(names: tuple[str, ...], args: tuple, kwargs: dict) -> list[tuple[str, object]]:
+    """The kernel's arguments as (schema name, value) pairs in schema order."""
+    pairs = []
+    for i, value in enumerate(args):
+        pairs.append((names[i] if i < len(names) else f"arg{i}", value))
+    for name in names[len(args):]:
+        if name in kwargs:
+            pairs.append((name, kwargs[name]))
+    for name, value in kwargs.items():
+        if name not in names:
+            pairs.append((name, value))
+    return pairs

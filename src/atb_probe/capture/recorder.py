@@ -1,0 +1,259 @@
+"""From an op's tensors to records: `.bin` files, statistic.csv rows, op_param.json and the
+structure files of SPEC §5, all handed to the background writer.
+
+Everything here runs on the model thread, so it does only what cannot wait: statistics on the
+tensor's device and a private host copy of the bytes. Encoding and disk I/O happen on the writer.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .. import log
+from ..binfile import encode_header, encode_reference
+from ..statcsv import HEADER, NA, format_number, format_rows
+from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, plain, same_bytes_key,
+                      statistics)
+
+CSV_NAME = "statistic.csv"
+MAX_PARAM_SHAPES = 256
+
+
+class Recorder:
+    """Writes what the call tree decided to dump, for one probe."""
+
+    def __init__(self, probe):
+        self.probe = probe
+        self._static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._layer_files: dict[tuple[str, str], int] = {}  # (name, id) -> nodes written
+        self._phases: set[str] = set()
+
+    # -- module ops -------------------------------------------------------------------------
+
+    def module_inputs(self, rnd, frame, module, info, args, kwargs, named: bool) -> None:
+        if not (frame.dump or _collecting(frame)):
+            return
+        from .calltree import bind_module_args  # local: calltree imports this module
+        items, params = [], {}
+        for name, value in bind_module_args(info.params, args, kwargs):
+            flatten(value, name, items, params, name_items=True)
+        frame.inputs = len(items)
+        labels = self.write_side(rnd, frame, "input", items, named, kernel=False) \
+            if frame.dump else []
+        frame.param = dict(self.static_param(module), args=params, inputs=labels)
+
+    def module_outputs(self, rnd, frame, out, named: bool) -> None:
+        if not (frame.dump or _collecting(frame)):
+            return
+        items, params = [], {}
+        flatten(out, "", items, params, name_items=False)
+        frame.outputs = len(items)
+        if frame.dump:
+            labels = self.write_side(rnd, frame, "output", items, named, kernel=False)
+            if rnd.config.wants_tensors:
+                doc = frame.param
+                doc["outputs"] = labels
+                self.probe.writer.put_json(f"{rnd.rel}/{frame.rel}", "op_param.json", doc)
+
+    def static_param(self, module) -> dict:
+        """The module's configuration: class, extra_repr, dtype and parameter shapes."""
+        doc = self._static.get(module)
+        if doc is None:
+            shapes, dtype = {}, None
+            for i, (name, p) in enumerate(module.named_parameters()):
+                if i >= MAX_PARAM_SHAPES:
+                    shapes["..."] = "more parameters not listed"
+                    break
+                shapes[name] = list(p.shape)
+                dtype = dtype or str(p.dtype).rpartition(".")[2]
+            try:
+                extra = module.extra_repr()
+            except Exception:
+                extra = ""
+            doc = {"type": type(module).__name__,
+                   "class": f"{type(module).__module__}.{type(module).__qualname__}",
+                   "extra_repr": extra, "dtype": dtype, "parameters": shapes}
+            self._static[module] = doc
+        return doc
+
+    # -- kernels ----------------------------------------------------------------------------
+
+    def kernel_inputs(self, rnd, frame, op_name: str, pairs) -> None:
+        items, params, arg_names = [], {}, []
+        for name, value in pairs:
+            before = len(items)
+            flatten(value, name, items, params, name_items=True)
+            arg_names.extend(label for label, _ in items[before:])
+        frame.inputs = len(items)
+        if frame.dump:
+            self.write_side(rnd, frame, "input", items, named=False, kernel=True)
+            frame.param = {"op": op_name, "type": frame.name,
+                           "inputs": {f"intensor{i}": n for i, n in enumerate(arg_names)},
+                           "args": params}
+
+    def kernel_outputs(self, rnd, frame, out) -> None:
+        items = []
+        flatten(out, "", items, {}, name_items=False)
+        frame.outputs = len(items)
+        if frame.dump:
+            self.write_side(rnd, frame, "output", items, named=False, kernel=True)
+            if rnd.config.wants_tensors:
+                frame.param["outputs"] = [f"outtensor{i}" for i in range(len(items))]
+                self.probe.writer.put_json(f"{rnd.rel}/{frame.rel}", "op_param.json",
+                                           frame.param)
+
+    def forget_written(self, layer, pairs, written: tuple) -> None:
+        """An in-place kernel changed these tensors: their bytes on disk are no longer theirs."""
+        if layer is None or not layer.written:
+            return
+        for name, value in pairs:
+            if name in written and isinstance(value, torch.Tensor):
+                key = same_bytes_key(value)
+                ptr = key[2] if key else None
+                for k in [k for k in layer.written if k[2] == ptr]:
+                    del layer.written[k]
+
+    # -- tensors ----------------------------------------------------------------------------
+
+    def write_side(self, rnd, frame, side: str, items, named: bool, kernel: bool) -> list[str]:
+        """Write one side (inputs or outputs) of an op; returns the index labels."""
+        cfg = rnd.config
+        probe = self.probe
+        inputs = side == "input"
+        prefix, sub = ("intensor", "before") if inputs else ("outtensor", "after")
+        level = cfg.filter_level if cfg.save_child else 0
+        header_only = kernel and level >= 2
+        kept = []
+        for i, (label, t) in enumerate(items):
+            if is_dumpable(t) and dtype_of(t) is not None:
+                kept.append((i, label, t))
+            else:
+                log.warn_once(f"skip-{type(t).__name__}-{getattr(t, 'dtype', '')}",
+                              f"cannot dump a {type(t).__name__} of dtype "
+                              f"{getattr(t, 'dtype', '?')} ({frame.full_name}); skipped")
+        if cfg.wants_statistics or header_only:
+            stats = statistics([t for _, _, t in kept])
+        else:
+            stats = [None] * len(kept)
+        rows, labels = [], []
+        op_dir = f"{rnd.rel}/{frame.rel}/{sub}"
+        layer = frame.layer
+        for (i, label, t), st in zip(kept, stats):
+            index = f"{i}_{label}" if named and label else str(i)
+            labels.append(index)
+            dt = dtype_of(t)
+            dims = tuple(t.shape)
+            path = NA
+            if cfg.wants_tensors:
+                fname = f"{prefix}{index}.bin"
+                in_round = f"{frame.rel}/{sub}/{fname}"
+                if header_only:
+                    probe.writer.put_file(op_dir, fname, [encode_reference(dt.code, dims,
+                                                                           in_round)], 0)
+                else:
+                    key = same_bytes_key(t) if level >= 1 and t.numel() else None
+                    target = _lookup(layer, key, t) if key and not (named and label) else None
+                    if target is not None:
+                        probe.writer.put_file(op_dir, fname,
+                                              [encode_reference(dt.code, dims, target)], 0)
+                    else:
+                        data = host_bytes(t)
+                        probe.writer.put_file(op_dir, fname,
+                                              [encode_header(dt.code, dims, data.nbytes), data],
+                                              data.nbytes)
+                        if key is not None and layer is not None:
+                            layer.written[key] = (weakref.ref(t), _version(t), in_round)
+                path = f"{probe.tree.root}/{op_dir}/{fname}"
+            if st is None:
+                cells = (NA, NA, NA, NA)
+            else:
+                cells = tuple(format_number(v) for v in st)
+            rows.append((probe.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id,
+                         side, index, dt.csv_name, "nd", "x".join(str(d) for d in dims),
+                         *cells, path))
+        if rows:
+            probe.writer.put_rows(rnd.rel, CSV_NAME, format_rows(rows), HEADER)
+        return labels
+
+    # -- structure files --------------------------------------------------------------------
+
+    def wants_structure(self, rnd, name: str, op_id: str, tracking: bool) -> bool:
+        written = self._layer_files.get((name, op_id))
+        return written is None or (tracking and written == 0)
+
+    def child_done(self, parent, frame) -> None:
+        if parent.layer is not None and parent.layer.collect:
+            if parent.nodes is None:
+                parent.nodes = []
+            parent.nodes.append(_node(frame))
+
+    def layer_done(self, rnd, frame) -> None:
+        node = _node(frame)
+        rnd.layer_nodes.append({k: node[k] for k in ("opName", "opType", "inTensors",
+                                                     "outTensors")})
+        if frame.layer.collect:
+            key = (frame.name, frame.op_id)
+            count = _count(node)
+            if self._layer_files.get(key, -1) < count:
+                self._layer_files[key] = count
+                self.probe.writer.put_json(f"info/layer/{self.probe.devpid}",
+                                           f"{frame.name}_{frame.op_id}.json", node)
+
+    def end_round(self, rnd) -> None:
+        probe = self.probe
+        probe.round_dumped()
+        if rnd.phase in self._phases or not rnd.layer_nodes:
+            return
+        self._phases.add(rnd.phase)
+        config = getattr(rnd.root_module, "config", None)
+        try:
+            param = config.to_dict() if hasattr(config, "to_dict") else (
+                dict(vars(config)) if config is not None else {})
+        except Exception:
+            param = {}
+        doc = {"modelName": f"{rnd.root_name}_{rnd.phase}", "modelType": rnd.root_name,
+               "phase": rnd.phase, "param": param, "nodes": rnd.layer_nodes}
+        probe.writer.put_json(f"info/model/{probe.devpid}", f"{rnd.root_name}_{rnd.phase}.json",
+                              doc)
+
+
+def _collecting(frame) -> bool:
+    return frame.layer is not None and frame.layer.collect
+
+
+def _node(frame) -> dict:
+    name = f"{frame.name}_{frame.op_id}"
+    return {
+        "opName": name,
+        "opType": frame.name,
+        "param": {k: v for k, v in (frame.param or {}).items() if k not in ("inputs", "outputs")},
+        "inTensors": [f"{name}_input_{i}" for i in range(frame.inputs)],
+        "outTensors": [f"{name}_output_{i}" for i in range(frame.outputs)],
+        "internalTensors": [],
+        "nodes": frame.nodes or [],
+    }
+
+
+def _count(node: dict) -> int:
+    return sum(1 + _count(n) for n in node["nodes"])
+
+
+def _version(t):
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def _lookup(layer, key, t):
+    """The file already holding `t`'s bytes in this layer execution, if any."""
+    if layer is None:
+        return None
+    entry = layer.written.get(key)
+    if entry is None:
+        return None
+    ref, version, path = entry
+    if ref() is None or version != _version(t):
+        return None
+    return path

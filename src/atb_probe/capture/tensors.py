@@ -1,0 +1,151 @@
+"""Tensors as the dump sees them: flattening call arguments, statistics, host copies.
+
+Flattening follows SPEC §5: tensors in call order, tuples/lists/dicts/dataclasses (ModelOutput
+included) walked in order; everything else is a plain parameter for `op_param.json`.
+Statistics are computed on the tensor's own device in one batched pass per op and fetched with a
+single host transfer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..dtypes import BY_TORCH_NAME, DType
+
+_FLOATISH = {torch.float16, torch.bfloat16, torch.float32}
+
+
+def dtype_of(t: torch.Tensor) -> DType | None:
+    """The table entry of a tensor's dtype; None for dtypes the format cannot hold."""
+    return BY_TORCH_NAME.get(str(t.dtype).rpartition(".")[2])
+
+
+def is_dumpable(t) -> bool:
+    """A real, dense tensor whose bytes can be read (not meta/fake/sparse/nested)."""
+    if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    return t.layout is torch.strided and t.device.type != "meta" and not t.is_nested
+
+
+def flatten(value, label: str, out: list, params: dict, name_items: bool, depth: int = 0) -> None:
+    """Append (label, tensor) pairs of `value` to `out`; put other values into `params`.
+
+    `name_items`: tuple/list items get `_<i>` suffixes (inputs); when False only mapping keys
+    add to the label (outputs: `outtensor0_last_hidden_state`)."""
+    if isinstance(value, torch.Tensor):
+        out.append((label, value))
+        return
+    if depth > 8:
+        params[label or "value"] = _plain(value)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            flatten(item, _join(label, str(key)), out, params, name_items, depth + 1)
+        return
+    if isinstance(value, (tuple, list)) and not _is_namedtuple_like(value):
+        if not any(_may_hold_tensor(v) for v in value):
+            params[label or "value"] = _plain(value)
+            return
+        for i, item in enumerate(value):
+            flatten(item, _join(label, str(i)) if name_items else label, out, params, name_items,
+                    depth + 1)
+        return
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            flatten(getattr(value, f.name), _join(label, f.name), out, params, name_items,
+                    depth + 1)
+        return
+    if isinstance(value, tuple):  # namedtuple: fields by name
+        for key, item in zip(value._fields, value):
+            flatten(item, _join(label, key), out, params, name_items, depth + 1)
+        return
+    if value is not None or label:
+        params[label or "value"] = _plain(value)
+
+
+def _join(label: str, part: str) -> str:
+    return f"{label}_{part}" if label else part
+
+
+def _is_namedtuple_like(value) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def _may_hold_tensor(value) -> bool:
+    return isinstance(value, (torch.Tensor, tuple, list, dict)) or dataclasses.is_dataclass(value)
+
+
+def _plain(value):
+    """A JSON-friendly rendering of a non-tensor value."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (torch.dtype, torch.device, torch.Size)):
+        return str(value)
+    if isinstance(value, (tuple, list)) and len(value) <= 64:
+        return [_plain(v) for v in value]
+    text = repr(value) if isinstance(value, (tuple, list, dict, set)) else \
+        f"<{type(value).__module__}.{type(value).__qualname__}>"
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+plain = _plain
+
+
+def statistics(tensors: list[torch.Tensor]) -> list[tuple[float, float, float, float] | None]:
+    """(max, min, mean, L2 norm) of each tensor; None for empty ones. One host transfer."""
+    rows: list = [None] * len(tensors)
+    parts, where = [], []
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            continue
+        x = t.detach()
+        if x.is_complex():
+            x = x.abs()
+        if x.dtype not in (torch.float64, torch.float32):
+            # Integers in float64 so that int32/int64 values stay exact as far as they can.
+            x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
+                     else torch.float64)
+        stats = torch.stack((x.max(), x.min(), x.mean(), torch.linalg.vector_norm(x)))
+        parts.append(stats.to(torch.float64))
+        where.append(i)
+    if not parts:
+        return rows
+    values = torch.stack(parts).tolist() if len(parts) > 1 else [parts[0].tolist()]
+    for i, v in zip(where, values):
+        rows[i] = tuple(v)
+    return rows
+
+
+def host_bytes(t: torch.Tensor):
+    """A private host copy of `t`'s bytes, C-contiguous, as a flat uint8 numpy array.
+
+    Always a copy: the model may change the tensor in place after this returns."""
+    x = t.detach()
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    if x.device.type != "cpu":
+        x = x.to("cpu")
+        if not x.is_contiguous():
+            x = x.contiguous()
+    elif x.is_contiguous():
+        x = x.clone()
+    else:
+        x = x.contiguous()
+    return x.reshape(-1).view(torch.uint8).numpy()
+
+
+def same_bytes_key(t: torch.Tensor):
+    """What identifies a contiguous tensor's bytes in memory, or None when it has no such key."""
+    try:
+        if not t.is_contiguous():
+            return None
+        return (t.device.type, t.device.index, t.untyped_storage().data_ptr(),
+                t.storage_offset(), t.dtype, t.numel())
+    except Exception:  # subclasses, tensors without storage
+        return None

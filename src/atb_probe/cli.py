@@ -1,0 +1,48 @@
+"""The `atb-probe` command line. Each subcommand lives in its own module under `tools/` and
+exposes `register(subparsers)`; this file only wires them together."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+import atb_probe
+
+# Our own tools never dump themselves, even when started from a shell that loaded the probe.
+atb_probe._suppressed = True
+
+SUBCOMMANDS = ("where", "run", "demo", "status")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="atb-probe",
+        description="Operator-level precision dumps of PyTorch models in the msProbe ATB layout.",
+        epilog="Quick start:  atb-probe demo        "
+               "Load into a shell:  source \"$(atb-probe where)/load_atb_probe.sh\"",
+    )
+    parser.add_argument("--version", action="version", version=f"atb-probe {atb_probe.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"atb_probe.tools.{name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

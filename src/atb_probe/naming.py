@@ -1,0 +1,43 @@
+"""Op names, kernel names and file-system-safe path parts (SPEC §1 "Names", §5)."""
+from __future__ import annotations
+
+import re
+
+MAX_NAME_BYTES = 255
+_UNSAFE = re.compile(r"[^\w.\-+]")
+
+
+def sanitize(name: str, limit: int = MAX_NAME_BYTES) -> str:
+    """A single path component: no `/`, no `..`, printable ASCII-ish, at most `limit` bytes."""
+    text = _UNSAFE.sub("_", str(name)) or "_"
+    text = text.replace("..", "__")
+    if text.startswith("."):
+        text = "_" + text[1:]
+    encoded = text.encode("utf-8")
+    if len(encoded) > limit:
+        text = encoded[:limit].decode("utf-8", errors="ignore")
+    return text
+
+
+def kernel_name(op_name: str) -> str:
+    """`aten.mm.default` -> `MmKernel`, `aten.add.Tensor` -> `AddTensorKernel`."""
+    parts = op_name.split(".")
+    if len(parts) >= 3:
+        base, overload = parts[-2], parts[-1]
+    elif len(parts) == 2:
+        base, overload = parts[-1], "default"
+    else:
+        base, overload = parts[0], "default"
+    name = _camel(base)
+    if overload and overload != "default":
+        name += _camel(overload)
+    return sanitize(name + "Kernel")
+
+
+def _camel(text: str) -> str:
+    return "".join(w[:1].upper() + w[1:] for w in text.split("_") if w)
+
+
+def op_dir(op_index: int | str, op_name: str) -> str:
+    """The folder of an op: `<own id>_<name>`."""
+    return f"{op_index}_{op_name}"

@@ -1,0 +1,35 @@
+"""statistic.csv: the per-round table of every tensor written (SPEC §5).
+
+One file per round directory, with `HEADER` as its first line. Rows are appended whole (one
+`write` of complete lines), so a killed process leaves only complete lines behind.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+from typing import Sequence
+
+COLUMNS = ("Device and PID", "Execution Count", "Op Name", "Op Type", "Op Id", "Input/Output",
+           "Index", "Dtype", "Format", "Shape", "Max", "Min", "Mean", "Norm", "Tensor Path")
+HEADER = ",".join(COLUMNS) + "\n"
+NA = "N/A"
+
+
+def format_number(value: float | None) -> str:
+    """A statistic as text: the shortest round-trip repr, `N/A` when absent."""
+    if value is None:
+        return NA
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def format_rows(rows: Sequence[Sequence[str]]) -> str:
+    """CSV text for rows of already formatted cells (quoted only where a cell needs it)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerows(rows)
+    return buf.getvalue()

@@ -1,0 +1,129 @@
+"""Shared fixtures: tiny real models, dumps made in-process or through the load script."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import atb_probe
+from atb_probe.tools.where import scripts_dir
+
+SCRIPTS = Path(scripts_dir())
+
+FULL_CONFIG = {
+    "task": "tensor",
+    "dump_enable": True,
+    "exec_range": "all",
+    "ids": "",
+    "op_name": "",
+    "save_child": False,
+    "device": "",
+    "filter_level": 1,
+}
+
+
+def config(**overrides) -> dict:
+    """A complete config document (no missing-key warnings) with `overrides` applied."""
+    doc = dict(FULL_CONFIG)
+    doc.update(overrides)
+    return doc
+
+
+def tiny_llama(layers: int = 2, hidden: int = 32, vocab: int = 64, seed: int = 0,
+               dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def tiny_gpt2(layers: int = 2, hidden: int = 32, vocab: int = 64, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=64)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def generate(model, prompt_len: int = 6, new_tokens: int = 2, seed: int = 0):
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
+                           generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+
+def dump(tmp: Path, cfg: dict, run) -> Path:
+    """Run `run()` with the probe enabled in-process on `cfg`; the atb_dump_data root."""
+    atb_probe.enable(str(tmp), cfg)
+    try:
+        run()
+    finally:
+        assert atb_probe.disable(timeout=60)
+    return tmp / "atb_dump_data"
+
+
+def only_proc(root: Path) -> Path:
+    """The single `data/<dev>_<pid>` folder of a dump."""
+    procs = [p for p in (root / "data").iterdir() if p.is_dir()]
+    assert len(procs) == 1, procs
+    return procs[0]
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def op_dirs(round_dir: Path) -> list[str]:
+    """Every op folder below a round, as paths relative to it, sorted."""
+    return sorted(str(p.relative_to(round_dir)) for p in round_dir.rglob("*")
+                  if p.is_dir() and p.name not in ("before", "after"))
+
+
+def run_loaded(tmp: Path, script: str, cfg: dict | None = None, load_args: str | None = None,
+               env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python script` in `bash -c` after sourcing the load script, like a user would."""
+    script_path = tmp / "user_script.py"
+    script_path.write_text(textwrap.dedent(script))
+    if cfg is not None:
+        (tmp / "config.json").write_text(json.dumps(cfg))
+    if load_args is None:
+        load_args = f"--output={tmp} --config={tmp / 'config.json'}"
+    cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" {load_args} && '
+           f'"{sys.executable}" "{script_path}"')
+    full_env = dict(os.environ)
+    for key in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP"):
+        full_env.pop(key, None)
+    full_env.update(env or {})
+    return subprocess.run(["bash", "-c", cmd], cwd=tmp, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+LLAMA_SCRIPT = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+model = LlamaForCausalLM(cfg).eval()
+prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    out = model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+print("OK", out.shape[1])
+"""
+
+
+@pytest.fixture(autouse=True)
+def _no_probe_leak():
+    """Every test starts and ends without a running probe in this process."""
+    atb_probe.disable(timeout=60)
+    yield
+    atb_probe.disable(timeout=60)
