@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 
 MAX_NAME_BYTES = 255
-_UNSAFE = re.compile(r"[^\w.\-+]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
 def sanitize(name: str, limit: int = MAX_NAME_BYTES) -> str:
