@@ -7,7 +7,7 @@ stack, so a server running the model in worker threads gets one consistent tree 
 * A module called with an empty stack is a *root*: its call is one *round*, and the round's
   configuration is fixed when it starts (a config change applies at the next round).
 * The root is a *container*; so is any module called from a container that owns an
-  `nn.ModuleList`/`nn.Sequential` of two or more modules (or is such a sequence itself).
+  `nn.ModuleList`/`nn.Sequential` of two or more modules.
 * Non-container modules called from a container are *layer-level* ops, numbered 0, 1, 2... in
   the round. Below them every module and kernel is a *child*, numbered among its siblings.
 
@@ -45,8 +45,6 @@ class ModuleInfo:
 
 
 def _is_container(module: nn.Module) -> bool:
-    if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(module) >= 2:
-        return True
     return any(isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2
                for child in module._modules.values())
 
