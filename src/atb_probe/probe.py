@@ -63,6 +63,7 @@ class Probe:
         self._status_last: tuple | None = None
         self._status_time = 0.0
         self._status_name: str | None = None
+        self._status_lock = threading.RLock()  # one status write at a time, none mid-rename
         self._errors: set[str] = set()
         self.last_error: str | None = None
         self._closed = False
@@ -185,11 +186,12 @@ class Probe:
         device = device_id(module, args, kwargs)
         with self._lock:
             if self.device is None:
-                self.device = device
-                old = self.devpid
-                self.devpid = f"{device}_{self.pid}"
-                if old != self.devpid and self._status_name:
-                    self._remove_status(self._status_name)
+                with self._status_lock:
+                    self.device = device
+                    old = self.devpid
+                    self.devpid = f"{device}_{self.pid}"
+                    if old != self.devpid and self._status_name:
+                        self._remove_status(self._status_name)
         return self.device
 
     # -- errors and status ------------------------------------------------------------------
@@ -226,6 +228,10 @@ class Probe:
         }
 
     def write_status(self, final: bool = False) -> None:
+        with self._status_lock:
+            self._write_status(final)
+
+    def _write_status(self, final: bool) -> None:
         doc = self.status()
         if final:
             doc["exited"] = True
@@ -268,6 +274,7 @@ class Probe:
         self._stop = threading.Event()
         self._status_last = None
         self._status_name = None
+        self._status_lock = threading.RLock()
         if self.engine is not None:
             self.engine.after_fork()
         self._thread = threading.Thread(target=self._watch, name="atb-probe-watch", daemon=True)
