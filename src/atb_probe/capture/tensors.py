@@ -141,11 +141,15 @@ def host_bytes(t: torch.Tensor):
 
 
 def same_bytes_key(t: torch.Tensor):
-    """What identifies a contiguous tensor's bytes in memory, or None when it has no such key."""
+    """What identifies the bytes a tensor's file would hold, or None when it has no such key.
+
+    Contiguous tensors with the same storage, offset, dtype and element count hold the same
+    bytes whatever their shape (a reshaped view). A non-contiguous view holds the same bytes as
+    another only with the same shape and strides too (the same view, e.g. a transposed weight
+    handed from `aten.t` to `aten.mm`)."""
     try:
-        if not t.is_contiguous():
-            return None
-        return (t.device.type, t.device.index, t.untyped_storage().data_ptr(),
-                t.storage_offset(), t.dtype, t.numel())
+        key = (t.device.type, t.device.index, t.untyped_storage().data_ptr(),
+               t.storage_offset(), t.dtype, t.numel())
+        return key if t.is_contiguous() else key + (tuple(t.shape), tuple(t.stride()))
     except Exception:  # subclasses, tensors without storage
         return None

@@ -1,0 +1,251 @@
+"""save_child: child modules, ATen kernels, IDs and filter levels (SPEC §1, §3, §5)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from atb_probe import load
+from atb_probe.binfile import read_header
+
+from conftest import config, dump, generate, only_proc, op_dirs, read_csv, tiny_gpt2, tiny_llama
+
+LAYER = "2_LlamaDecoderLayer"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+def _round(tmp, model, **overrides):
+    root = dump(tmp, config(exec_range="0,0", **overrides), lambda: generate(model, 4, 1))
+    return only_proc(root) / "0"
+
+
+@pytest.fixture(scope="module")
+def level0(tmp_path_factory, llama):
+    return _round(tmp_path_factory.mktemp("l0"), llama, ids="2", save_child=True,
+                  filter_level=0, task="all")
+
+
+@pytest.fixture(scope="module")
+def level1(tmp_path_factory, llama):
+    return _round(tmp_path_factory.mktemp("l1"), llama, ids="2", save_child=True,
+                  filter_level=1, task="all")
+
+
+@pytest.fixture(scope="module")
+def level2(tmp_path_factory, llama):
+    return _round(tmp_path_factory.mktemp("l2"), llama, ids="2", save_child=True,
+                  filter_level=2, task="tensor")
+
+
+def test_save_child_nests_modules_and_kernels_with_chained_ids(level0):
+    dirs = op_dirs(level0)
+    assert dirs[0] == LAYER and all(d.startswith(LAYER) for d in dirs)
+    assert f"{LAYER}/1_LlamaAttention" in dirs
+    assert f"{LAYER}/1_LlamaAttention/0_Linear" in dirs
+    assert f"{LAYER}/4_LlamaMLP/0_Linear" in dirs
+    kernels = [d for d in dirs if d.endswith("Kernel")]
+    assert f"{LAYER}/1_LlamaAttention/0_Linear/1_MmKernel" in kernels or \
+        any(k.startswith(f"{LAYER}/1_LlamaAttention/0_Linear/") for k in kernels)
+    rows = read_csv(level0 / "statistic.csv")
+    names = {r["Op Id"]: r["Op Name"] for r in rows}
+    assert names["2_1_0"] == "LlamaDecoderLayer/LlamaAttention/Linear"
+    assert names["2_1"] == "LlamaDecoderLayer/LlamaAttention"
+
+
+def test_functional_calls_are_kernels_of_the_innermost_module(level0):
+    attention = [d for d in op_dirs(level0) if d.startswith(f"{LAYER}/1_LlamaAttention/")
+                 and d.count("/") == 2]
+    assert any("ScaledDotProduct" in d and d.endswith("Kernel") for d in attention)
+
+
+def test_child_inputs_carry_parameter_names_and_kernels_plain_names(level0):
+    attn = level0 / LAYER / "1_LlamaAttention" / "before"
+    names = sorted(p.name for p in attn.iterdir())
+    assert "intensor0_hidden_states.bin" in names
+    assert "intensor1_position_embeddings_0.bin" in names
+    assert "intensor2_position_embeddings_1.bin" in names
+    linear = level0 / LAYER / "1_LlamaAttention" / "0_Linear"
+    assert [p.name for p in (linear / "before").iterdir()] == ["intensor0_input.bin"]
+    kernel = next(p for p in linear.iterdir() if p.name.endswith("Kernel"))
+    assert all(p.name.startswith("intensor") and "_" not in p.stem
+               for p in (kernel / "before").iterdir())
+    param = json.loads((kernel / "op_param.json").read_text())
+    assert param["op"].startswith("aten.")
+    assert set(param["inputs"].values()) <= {"self", "mat2", "input", "weight", "bias", "other",
+                                             "mat1", "dim0", "dim1", "size"}
+
+
+def test_kernel_names_are_camel_case_aten_names(level0):
+    kernels = {d.rsplit("/", 1)[1].split("_", 1)[1] for d in op_dirs(level0)
+               if d.endswith("Kernel")}
+    assert "MmKernel" in kernels or "AddmmKernel" in kernels
+    assert "AddTensorKernel" in kernels
+    assert "MulTensorKernel" in kernels
+    assert all(k[0].isupper() and "." not in k for k in kernels)
+
+
+def test_module_outputs_with_fields_are_named(tmp_path):
+    class Inner(nn.Module):
+        def forward(self, x):
+            return {"last_hidden_state": x * 2, "aux": x + 1}
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return self.inner(x)["last_hidden_state"]
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = Layer()
+
+        def forward(self, x):
+            return self.layer(x)
+
+    root = dump(tmp_path / "m", config(save_child=True), lambda: Root()(torch.ones(2)))
+    after = only_proc(root) / "0" / "0_Layer" / "0_Inner" / "after"
+    assert sorted(p.name for p in after.iterdir()) == ["outtensor0_last_hidden_state.bin",
+                                                       "outtensor1_aux.bin"]
+
+
+def test_ids_select_subtree_with_boundary_and_op_name_any_segment(tmp_path, llama):
+    round0 = _round(tmp_path / "a", llama, ids="2_1", save_child=True)
+    dirs = op_dirs(round0)
+    assert dirs[:2] == [LAYER, f"{LAYER}/1_LlamaAttention"]
+    assert all(d.startswith(f"{LAYER}/1_LlamaAttention") for d in dirs[1:])
+    assert not (round0 / LAYER / "before").exists()   # the layer itself is not selected
+
+    round0 = _round(tmp_path / "b", llama, op_name="llamaattention", save_child=True)
+    ids = {r["Op Id"] for r in read_csv(round0 / "statistic.csv")}
+    assert {"2_1", "3_1", "2_1_0", "3_1_0"} <= ids
+    assert not any(i in ids for i in ("2", "3", "2_0", "2_4"))
+
+
+def test_everything_at_every_depth_without_ids_or_op_name(tmp_path, llama):
+    round0 = _round(tmp_path, llama, save_child=True, task="statistics")
+    ops = {r["Op Id"] for r in read_csv(round0 / "statistic.csv")}
+    assert {"0", "1", "2", "3", "4", "5", "2_1_0", "3_4_0"} <= ops
+    assert any(i.startswith("0_") for i in ops)   # the embedding's kernels
+
+
+def test_same_config_gives_same_ids_at_every_filter_level(level0, level1, level2):
+    def ids(r):
+        return [(x["Op Id"], x["Op Name"], x["Input/Output"], x["Index"])
+                for x in read_csv(r / "statistic.csv")]
+    assert ids(level0) == ids(level1) == ids(level2)
+    assert op_dirs(level0) == op_dirs(level1) == op_dirs(level2)
+
+
+def test_level1_references_resolve_to_identical_bytes(level0, level1):
+    refs = [p for p in level1.rglob("*.bin") if read_header(p).is_reference]
+    assert len(refs) >= 10
+    for ref in refs:
+        assert "_" not in ref.stem.replace("intensor", "").replace("outtensor", "") or \
+            not ref.stem.split("_", 1)[1][0].isalpha(), f"named file became a reference: {ref}"
+        twin = level0 / ref.relative_to(level1)
+        assert torch.equal(load(ref).reshape(-1).view(torch.uint8),
+                           load(twin).reshape(-1).view(torch.uint8)), ref
+        assert read_header(ref).dims == read_header(twin).dims
+
+
+def test_named_files_always_hold_data(level1):
+    named = [p for p in level1.rglob("*.bin") if p.stem.count("_") and
+             p.stem.split("_", 1)[1][:1].isalpha()]
+    assert named
+    assert not any(read_header(p).is_reference for p in named)
+
+
+def test_level1_saves_disk(level0, level1):
+    size0 = sum(p.stat().st_size for p in level0.rglob("*.bin"))
+    size1 = sum(p.stat().st_size for p in level1.rglob("*.bin"))
+    assert size1 < 0.8 * size0
+
+
+def test_level2_keeps_kernel_headers_and_their_statistics(level2):
+    kernel_bins = [p for p in level2.rglob("*.bin") if p.parent.parent.name.endswith("Kernel")]
+    assert kernel_bins
+    for p in kernel_bins:
+        h = read_header(p)
+        assert h.is_reference and p.stat().st_size == h.payload_offset
+        assert h.data_ref == str(p.relative_to(level2))
+    rows = [r for r in read_csv(level2 / "statistic.csv") if r["Op Type"].endswith("Kernel")
+            and "0" not in r["Shape"].split("x")]   # empty tensors have no statistics
+    assert rows and all(r["Max"] != "N/A" for r in rows)
+    module_bins = [p for p in level2.rglob("*.bin") if not p.parent.parent.name.endswith("Kernel")]
+    assert any(not read_header(p).is_reference for p in module_bins)
+
+
+def test_layer_structure_file_nests_children_and_kernels(level0):
+    info = level0.parents[2] / "info" / "layer" / level0.parent.name
+    doc = json.loads((info / "LlamaDecoderLayer_2.json").read_text())
+    children = [n["opType"] for n in doc["nodes"]]
+    assert children[:2] == ["LlamaRMSNorm", "LlamaAttention"]
+    attention = doc["nodes"][1]
+    assert attention["opName"] == "LlamaAttention_2_1"
+    assert attention["nodes"][0]["opType"] == "Linear"
+    assert any(n["opType"].endswith("Kernel") for n in attention["nodes"])
+    assert attention["inTensors"][0] == "LlamaAttention_2_1_input_0"
+
+
+def test_a_shared_submodule_called_twice_gets_two_ids(tmp_path):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(torch.relu(self.proj(x)))
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(x)
+
+    with torch.no_grad():
+        root = dump(tmp_path, config(save_child=True, task="statistics"),
+                    lambda: Root()(torch.randn(2, 4)))
+    rows = read_csv(only_proc(root) / "0" / "statistic.csv")
+    linears = sorted({r["Op Id"] for r in rows if r["Op Type"] == "Linear"})
+    assert linears == ["0_0", "0_2"]
+    assert {r["Op Type"] for r in rows if r["Op Id"] == "0_1"} == {"ReluKernel"}
+
+
+def test_gpt2_children_and_kernels(tmp_path):
+    gpt2 = tiny_gpt2()
+    round0 = _round(tmp_path, gpt2, ids="3_1", save_child=True, task="all")
+    dirs = op_dirs(round0)
+    assert dirs[0] == "3_GPT2Block" and dirs[1] == "3_GPT2Block/1_GPT2Attention"
+    assert any(d.startswith("3_GPT2Block/1_GPT2Attention/0_Conv1D") for d in dirs)
+    assert any(d.endswith("Kernel") for d in dirs)
+    before = round0 / "3_GPT2Block" / "1_GPT2Attention" / "before"
+    assert "intensor0_hidden_states.bin" in {p.name for p in before.iterdir()}
+
+
+def test_kernels_are_not_captured_outside_selected_layers(tmp_path, llama):
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(_get_current_dispatch_mode())
+            return x
+
+    llama.model.norm.register_forward_pre_hook(lambda m, a: seen.append(
+        _get_current_dispatch_mode()))
+    try:
+        _round(tmp_path, llama, ids="2", save_child=True)
+    finally:
+        llama.model.norm._forward_pre_hooks.clear()
+    assert seen and all(m is None for m in seen)
