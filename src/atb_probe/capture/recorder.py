@@ -157,13 +157,15 @@ class Recorder:
                     if target is not None:
                         probe.writer.put_file(op_dir, fname,
                                               [encode_reference(dt.code, dims, target)], 0)
+                        # This alias keeps the storage alive now, maybe after the first one died.
+                        layer.written[key] = (weakref.ref(t), target)
                     else:
                         data = host_bytes(t)
                         probe.writer.put_file(op_dir, fname,
                                               [encode_header(dt.code, dims, data.nbytes), data],
                                               data.nbytes)
                         if key is not None and layer is not None:
-                            layer.written[key] = (weakref.ref(t), _version(t), in_round)
+                            layer.written[key] = (weakref.ref(t), in_round)
                 path = f"{probe.tree.root}/{op_dir}/{fname}"
             if st is None:
                 cells = (NA, NA, NA, NA)
@@ -239,21 +241,18 @@ def _count(node: dict) -> int:
     return sum(1 + _count(n) for n in node["nodes"])
 
 
-def _version(t):
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return None
-
-
 def _lookup(layer, key, t):
-    """The file already holding `t`'s bytes in this layer execution, if any."""
+    """The file already holding `t`'s bytes in this layer execution, if any.
+
+    An entry is valid while the tensor it was written from is alive (so its memory cannot have
+    been reused) and no in-place kernel has written to its storage since: every ATen op inside a
+    tracked layer passes the kernel capture, which drops the entries of the storages an op
+    writes to (`forget_written`). Version counters cannot serve here: inference tensors have
+    none, and a view made by a kernel gets its base's counter only after the dispatch returns."""
     if layer is None:
         return None
     entry = layer.written.get(key)
     if entry is None:
         return None
-    ref, version, path = entry
-    if ref() is None or version != _version(t):
-        return None
-    return path
+    ref, path = entry
+    return path if ref() is not None else None
