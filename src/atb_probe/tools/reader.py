@@ -1,4 +1,8 @@
-"""Reading dumps back: one `.bin` file as a tensor, references resolved (SPEC §5)."""
+"""Reading dumps back: one `.bin` file as a tensor, references resolved (SPEC §5).
+
+`load_tensor` gives the tensor in its own dtype; `load_numpy` gives what numpy can hold (bf16 and
+the fp8 dtypes widened to float32, as msprobe's `parse -t npy` does), for the analysis tools.
+"""
 from __future__ import annotations
 
 import os
@@ -6,6 +10,11 @@ import os
 import numpy as np
 
 from ..binfile import BinFormatError, BinHeader, read_header, read_payload
+
+
+class HeaderOnlyError(BinFormatError):
+    """A header-only file (filter_level 2 kernels): its statistics are in statistic.csv, its
+    bytes were never written."""
 
 
 def round_dir_of(path: str) -> str | None:
@@ -36,7 +45,7 @@ def resolve(path: str, header: BinHeader | None = None, depth: int = 0) -> tuple
     if not target.startswith(root + os.sep):
         raise BinFormatError(f"{path}: reference {header.data_ref!r} leaves the round folder")
     if os.path.abspath(target) == os.path.abspath(path):
-        raise BinFormatError(f"{path} is header-only (filter_level 2): its data was not kept")
+        raise HeaderOnlyError(f"{path} is header-only (filter_level 2): its data was not kept")
     return resolve(target, None, depth + 1)
 
 
@@ -61,3 +70,14 @@ def load_tensor(path):
     if header.dtype.numpy_name is None:
         tensor = tensor.view(getattr(torch, header.dtype.torch_name))
     return tensor
+
+
+def load_numpy(path) -> np.ndarray:
+    """A `.bin` file as a numpy array; dtypes numpy lacks (bf16, fp8) become float32."""
+    array, header = load_array(os.fspath(path))
+    if header.dtype.numpy_name is not None:
+        return array
+    if header.dtype.torch_name == "bfloat16":
+        # bf16 is the upper half of a float32: widening is a shift, exact and torch-free.
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return load_tensor(path).float().numpy()

@@ -1,0 +1,366 @@
+"""Iterating a dump: processes, rounds, ops and tensors with their statistic.csv rows.
+
+A dump is read from the outside, the way msprobe reads one, so it works on trees this project did
+not write. The index of a round is its `statistic.csv` (SPEC §5): one row per tensor, in the order
+the tensors were written, which is execution order (an op's inputs when it starts, its outputs when
+it ends, its children's rows in between). A round without a csv is indexed by walking its folders;
+its order is then rebuilt from the op IDs (inputs, children by ID, outputs).
+
+    from atb_probe.tools.dumpreader import open_dump
+    for proc in open_dump("out/atb_dump_data").processes:
+        for rnd in proc.rounds:
+            for op in rnd.ops:
+                for t in op.tensors:
+                    print(t.data_name, t.row["Max"], t.load().shape)
+
+Any of these paths can be opened: the folder holding `atb_dump_data`, `atb_dump_data` itself, its
+`data` folder, a `<dev>_<pid>` folder or a round folder.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from ..binfile import BinFormatError
+from ..statcsv import COLUMNS, NA
+from .reader import HeaderOnlyError, load_numpy, load_tensor
+
+CSV_NAME = "statistic.csv"
+_PROC = re.compile(r"^(\d+)_(\d+)$")
+_TENSOR_FILE = re.compile(r"^(intensor|outtensor)(.+)\.bin$")
+
+
+class DumpError(Exception):
+    """A path that is not a dump (or not the part of one that was asked for)."""
+
+
+class NoData(Exception):
+    """A tensor whose bytes are not in the dump (statistics task, header-only file, missing)."""
+
+
+@dataclass
+class TensorRecord:
+    """One tensor of one op in one round: its csv row and where its bytes are."""
+
+    round: "Round"
+    op_id: str               # `2_1_0`
+    op_name: str             # `LlamaDecoderLayer/LlamaAttention/Linear`
+    io: str                  # `input` | `output`
+    index: str               # `0`, `0_hidden_states`
+    dtype: str               # csv name: float, bf16, int64...
+    shape: str               # `1x4x32`
+    stats: tuple[float, float, float, float] | None   # max, min, mean, norm from the csv
+    path: str | None         # the .bin file (maybe a reference), None when there is none
+    order: int               # position in the round, execution order
+    row: dict = field(repr=False)
+
+    @property
+    def id_parts(self) -> tuple[str, ...]:
+        return tuple(self.op_id.split("_"))
+
+    @property
+    def name_parts(self) -> tuple[str, ...]:
+        return tuple(self.op_name.split("/"))
+
+    @property
+    def op_path(self) -> str:
+        """`2_LlamaDecoderLayer/1_LlamaAttention`: the op's folder below the round."""
+        return "/".join(f"{i}_{n}" for i, n in zip(self.id_parts, self.name_parts))
+
+    @property
+    def data_name(self) -> str:
+        """msprobe's name for the tensor: `<op path>/input.0`."""
+        return f"{self.op_path}/{self.io}.{self.index}"
+
+    @property
+    def layer(self) -> str:
+        """The layer-level op this tensor belongs to: `2_LlamaDecoderLayer`."""
+        return f"{self.id_parts[0]}_{self.name_parts[0]}"
+
+    def load(self):
+        """The values as a numpy array (bf16/fp8 as float32); `NoData` when there are none."""
+        return self._read(load_numpy)
+
+    def load_tensor(self):
+        """The values as a torch tensor of the dumped dtype; `NoData` when there are none."""
+        return self._read(load_tensor)
+
+    def _read(self, loader):
+        if self.path is None:
+            raise NoData("no .bin file (the round was dumped with task=statistics)")
+        try:
+            return loader(self.path)
+        except HeaderOnlyError:
+            raise NoData("header-only file (filter_level 2): statistics only") from None
+        except FileNotFoundError:
+            raise NoData(f"{self.path} does not exist") from None
+        except BinFormatError as exc:
+            raise NoData(f"unreadable: {exc}") from None
+
+
+@dataclass
+class Op:
+    """An op of a round with the tensors written for it, in execution order."""
+
+    op_id: str
+    op_name: str
+    tensors: list[TensorRecord]
+
+    @property
+    def inputs(self) -> list[TensorRecord]:
+        return [t for t in self.tensors if t.io == "input"]
+
+    @property
+    def outputs(self) -> list[TensorRecord]:
+        return [t for t in self.tensors if t.io == "output"]
+
+    @property
+    def op_path(self) -> str:
+        return self.tensors[0].op_path
+
+    @property
+    def depth(self) -> int:
+        return len(self.op_id.split("_"))
+
+
+class Round:
+    """One execution round of one process: `data/<dev>_<pid>/<round>/`."""
+
+    def __init__(self, path: str, process: "Process"):
+        self.path = path
+        self.process = process
+        name = os.path.basename(path)
+        self.index = int(name) if name.isdigit() else -1
+
+    def __repr__(self) -> str:
+        return f"Round({self.process.name}/{self.index})"
+
+    @property
+    def csv_path(self) -> str:
+        return os.path.join(self.path, CSV_NAME)
+
+    @cached_property
+    def tensors(self) -> list[TensorRecord]:
+        """Every tensor of the round in execution order."""
+        if os.path.isfile(self.csv_path):
+            return self._from_csv()
+        return self._from_folders()
+
+    @cached_property
+    def ops(self) -> list[Op]:
+        """Every op that has tensors, ordered by its first tensor."""
+        by_id: dict[str, Op] = {}
+        for t in self.tensors:
+            op = by_id.get(t.op_id)
+            if op is None:
+                by_id[t.op_id] = op = Op(t.op_id, t.op_name, [])
+            op.tensors.append(t)
+        return list(by_id.values())
+
+    @cached_property
+    def task(self) -> str:
+        """What the round was dumped with: tensor, statistics, all (or `unknown`)."""
+        rows = self.tensors
+        if not rows:
+            return "unknown"
+        has_stats = any(t.stats is not None for t in rows)
+        has_files = any(t.row.get("Tensor Path", NA) != NA for t in rows)
+        if has_stats and has_files:
+            return "all"
+        return "statistics" if has_stats else "tensor"
+
+    def _from_csv(self) -> list[TensorRecord]:
+        records = []
+        with open(self.csv_path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                return []
+            names = list(COLUMNS) if len(header) == len(COLUMNS) else header
+            for cells in reader:
+                if len(cells) != len(names):
+                    continue  # the line a killed writer left half-written, as msprobe skips it
+                row = dict(zip(names, cells))
+                ids, ops = row["Op Id"].split("_"), row["Op Name"].split("/")
+                if len(ids) != len(ops):
+                    continue
+                records.append(TensorRecord(
+                    round=self, op_id=row["Op Id"], op_name=row["Op Name"],
+                    io=row["Input/Output"], index=row["Index"], dtype=row["Dtype"],
+                    shape=row["Shape"], stats=_stats(row), path=self._locate(row),
+                    order=len(records), row=row))
+        return records
+
+    def _locate(self, row: dict) -> str | None:
+        """The .bin of a row: its Tensor Path re-rooted at this round (the tree may have moved,
+        as msprobe assumes), else the path as written, else the path the layout gives."""
+        written = row.get("Tensor Path", NA)
+        if written and written != NA:
+            marker = written.rfind("atb_dump_data/")
+            parts = written[marker:].split("/") if marker >= 0 else []
+            if len(parts) > 4:
+                candidate = os.path.join(self.path, *parts[4:])
+                if os.path.isfile(candidate):
+                    return candidate
+            if os.path.isfile(written):
+                return written
+        ids, names = row["Op Id"].split("_"), row["Op Name"].split("/")
+        inputs = row["Input/Output"] == "input"
+        candidate = os.path.join(self.path, *(f"{i}_{n}" for i, n in zip(ids, names)),
+                                 "before" if inputs else "after",
+                                 f"{'intensor' if inputs else 'outtensor'}{row['Index']}.bin")
+        return candidate if os.path.isfile(candidate) else None
+
+    def _from_folders(self) -> list[TensorRecord]:
+        from ..binfile import read_header
+        records: list[TensorRecord] = []
+
+        def visit(folder: str, ids: list[str], names: list[str]) -> None:
+            files = {"before": [], "after": []}
+            children = []
+            for entry in sorted(os.listdir(folder)):
+                full = os.path.join(folder, entry)
+                if entry in files and os.path.isdir(full):
+                    files[entry] = sorted(
+                        (m.group(2), os.path.join(full, n)) for n in os.listdir(full)
+                        if (m := _TENSOR_FILE.match(n)) and os.path.isfile(os.path.join(full, n)))
+                elif os.path.isdir(full) and "_" in entry:
+                    own_id, _, name = entry.partition("_")
+                    if own_id.isdigit():
+                        children.append((int(own_id), own_id, name, full))
+            op_id, op_name = "_".join(ids), "/".join(names)
+            for side, io in (("before", "input"), ("after", "output")):
+                if side == "after":
+                    for _, own_id, name, full in sorted(children):
+                        visit(full, ids + [own_id], names + [name])
+                if not ids:
+                    continue
+                for index, path in sorted(files[side], key=lambda f: _index_key(f[0])):
+                    try:
+                        header = read_header(path)
+                        dtype, shape = header.dtype.csv_name, "x".join(map(str, header.dims))
+                    except (OSError, BinFormatError):
+                        dtype = shape = "?"
+                    row = dict.fromkeys(COLUMNS, NA)
+                    row.update({"Device and PID": self.process.name,
+                                "Execution Count": str(self.index), "Op Name": op_name,
+                                "Op Type": names[-1], "Op Id": op_id, "Input/Output": io,
+                                "Index": index, "Dtype": dtype, "Format": "nd", "Shape": shape,
+                                "Tensor Path": path})
+                    records.append(TensorRecord(self, op_id, op_name, io, index, dtype, shape,
+                                                None, path, len(records), row))
+
+        visit(self.path, [], [])
+        return records
+
+
+class Process:
+    """The rounds one process dumped: `data/<dev>_<pid>/`."""
+
+    def __init__(self, path: str, rounds: list[str] | None = None):
+        self.path = path
+        self.name = os.path.basename(path)
+        m = _PROC.match(self.name)
+        self.device = int(m.group(1)) if m else -1
+        self.pid = int(m.group(2)) if m else -1
+        if rounds is None:
+            rounds = [os.path.join(path, d) for d in os.listdir(path)
+                      if d.isdigit() and os.path.isdir(os.path.join(path, d))]
+        self.rounds = sorted((Round(r, self) for r in rounds), key=lambda r: r.index)
+
+    def __repr__(self) -> str:
+        return f"Process({self.name}, {len(self.rounds)} rounds)"
+
+
+class Dump:
+    """A dump opened at some level: `kind` is root, process or round."""
+
+    def __init__(self, path: str, kind: str, processes: list[Process], root: str | None):
+        self.path = path
+        self.kind = kind
+        self.processes = processes
+        self.root = root  # the atb_dump_data folder, when the path is inside one
+
+    @property
+    def rounds(self) -> list[Round]:
+        return [r for p in self.processes for r in p.rounds]
+
+    def info_files(self, sub: str) -> dict[str, list[str]]:
+        """`info/<sub>/<dev>_<pid>/*.json` per process name (sub: layer | model)."""
+        out: dict[str, list[str]] = {}
+        if self.root is None:
+            return out
+        for p in self.processes:
+            folder = os.path.join(self.root, "info", sub, p.name)
+            if os.path.isdir(folder):
+                out[p.name] = sorted(os.path.join(folder, n) for n in os.listdir(folder)
+                                     if n.endswith(".json"))
+        return out
+
+
+def open_dump(path: str) -> Dump:
+    """Open a dump at any of its levels; `DumpError` says what was expected instead."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(path):
+        raise DumpError(f"{path} does not exist")
+    if not os.path.isdir(path):
+        raise DumpError(f"{path} is a file; give a dump folder (for one .bin file use "
+                        "`atb-probe parse`)")
+    if os.path.isdir(os.path.join(path, "atb_dump_data")):
+        path = os.path.join(path, "atb_dump_data")
+    base = os.path.basename(path)
+    if os.path.isdir(os.path.join(path, "data")) and not _is_round(path):
+        data = os.path.join(path, "data")
+        return Dump(path, "root", _processes(data), path)
+    if base == "data" and os.path.basename(os.path.dirname(path)) == "atb_dump_data":
+        return Dump(path, "root", _processes(path), os.path.dirname(path))
+    if _is_round(path):
+        parent = os.path.dirname(path)
+        proc = Process(parent, [path])
+        return Dump(path, "round", [proc], _root_above(parent))
+    if _PROC.match(base) or any(d.isdigit() for d in os.listdir(path)):
+        proc = Process(path)
+        if proc.rounds:
+            return Dump(path, "process", [proc], _root_above(path))
+    raise DumpError(f"{path} is not a dump: expected a folder holding atb_dump_data/, "
+                    "atb_dump_data/ itself, a data/<dev>_<pid> folder or a round folder "
+                    "(data/<dev>_<pid>/<round>, holding statistic.csv)")
+
+
+def _processes(data: str) -> list[Process]:
+    procs = [Process(os.path.join(data, d)) for d in sorted(os.listdir(data))
+             if os.path.isdir(os.path.join(data, d))]
+    return sorted(procs, key=lambda p: (p.device, p.pid, p.name))
+
+
+def _is_round(path: str) -> bool:
+    if not os.path.basename(path).isdigit():
+        return False
+    if os.path.isfile(os.path.join(path, CSV_NAME)):
+        return True
+    return bool(_PROC.match(os.path.basename(os.path.dirname(path))))
+
+
+def _root_above(proc_path: str) -> str | None:
+    data = os.path.dirname(proc_path)
+    root = os.path.dirname(data)
+    if os.path.basename(data) == "data" and os.path.basename(root) == "atb_dump_data":
+        return root
+    return None
+
+
+def _stats(row: dict) -> tuple[float, float, float, float] | None:
+    try:
+        values = tuple(float(row[k]) for k in ("Max", "Min", "Mean", "Norm"))
+    except (KeyError, ValueError):
+        return None
+    return values
+
+
+def _index_key(index: str):
+    head, _, rest = index.partition("_")
+    return (int(head), rest) if head.isdigit() else (math.inf, index)
