@@ -1,0 +1,256 @@
+"""The HTML report of a comparison: one self-contained file (inline CSS, SVG and a few lines of
+JS for filtering the table; nothing fetched from the network).
+
+The plot shows, per round, the relative error of every compared output in execution order —
+‖target − golden‖ / ‖golden‖ in tensor mode, |Δnorm| / norm in statistics mode — on a log scale,
+over alternating bands, one per layer-level op, so that the layer where the error jumps stands
+out. Outputs that cross the thresholds are red; the first divergence is ringed.
+"""
+from __future__ import annotations
+
+import datetime
+import html
+import math
+
+MAX_TABLE_ROWS = 5000
+MAX_PLOTS = 8
+_FLOOR, _CEIL = -12, 2        # log10 range of the plot's y axis
+
+TABLE_COLUMNS = ("Target Execution Count", "Target Data Name", "Golden Data Name",
+                 "Target Data Type", "Golden Data Type", "Target Data Shape", "Compare Mode",
+                 "Match", "Cosine", "Max Absolute Err", "Max Relative Err",
+                 "One Thousandth Err Ratio", "Five Thousandth Err Ratio", "Euc Distance",
+                 "Relative Err of Norm(%)", "Diverged", "Note")
+
+
+def relative_error(row: dict) -> float | None:
+    """The plotted error of a row; None when the row has no data."""
+    if row["Compare Mode"] == "tensor":
+        euc, norm = row["Euc Distance"], row["Golden Norm"]
+        if euc is None:
+            return math.inf if row["Note"].startswith("nan_mismatch") else None
+        if not norm:
+            return 0.0 if euc == 0 else math.inf
+        return euc / norm
+    if row["Compare Mode"] == "statistics":
+        rel = row["Relative Err of Norm(%)"]
+        if rel is None:
+            return None if row["Golden Norm"] is None else math.inf
+        return rel / 100
+    return None
+
+
+def render_html(result) -> str:
+    """The whole report as one HTML document."""
+    parts = [_HEAD.format(title="atb-probe compare")]
+    parts.append("<h1>atb-probe compare</h1>")
+    parts.append(_finding_box(result))
+    parts.append(_summary(result))
+    parts.append(_plots(result))
+    parts.append(_layers(result))
+    parts.append(_unmatched(result))
+    parts.append(_table(result))
+    parts.append(_SCRIPT)
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def _e(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "N/A"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _finding_box(result) -> str:
+    f = result.finding
+    if f is None:
+        return (f"<div class='ok'><b>No divergence.</b> No output crosses "
+                f"{_e(result.thresholds.describe())}.</div>")
+    cls = "bad" if f.inputs_clean else "warn"
+    head = "First divergence" if f.inputs_clean else "First crossing op (its inputs differ too)"
+    return (f"<div class='{cls}'><div class='big'>{head}: round {f.round_index}, "
+            f"<code>{_e(f.op_path)}</code></div><div>{_e(f.summary())}</div>"
+            f"<div>golden op: <code>{_e(f.golden_op_path)}</code> · thresholds: "
+            f"{_e(result.thresholds.describe())}</div></div>")
+
+
+def _summary(result) -> str:
+    from .compare import summary_lines
+    rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>"
+                   for k, v in summary_lines(result) if k != "first divergence")
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    return f"<h2>Summary</h2><table class='kv'>{rows}<tr><th>generated</th><td>{stamp}</td></tr></table>"
+
+
+def _plots(result) -> str:
+    rounds: dict[str, list[dict]] = {}
+    for row in result.rows:
+        if row["Input/Output"] == "output":
+            rounds.setdefault(row["Target Execution Count"], []).append(row)
+    if not rounds:
+        return ""
+    keys = list(rounds)
+    chosen = keys[:MAX_PLOTS]
+    f = result.finding
+    if f is not None and str(f.round_index) in rounds and str(f.round_index) not in chosen:
+        chosen.append(str(f.round_index))
+    out = ["<h2>Error along execution order</h2>",
+           "<p>Relative error of each output (log scale): ‖target − golden‖ / ‖golden‖, or the "
+           "relative norm error in statistics mode. Bands are layer-level ops; red points cross "
+           "the thresholds; the ring marks the first divergence. Hover a point for its name.</p>"]
+    for key in chosen:
+        out.append(f"<h3>round {_e(key)}</h3>")
+        out.append(_svg(rounds[key], f if f is not None and str(f.round_index) == key else None))
+    if len(keys) > len(chosen):
+        out.append(f"<p>{len(keys) - len(chosen)} more round(s) not plotted; see the table.</p>")
+    return "\n".join(out)
+
+
+def _svg(rows: list[dict], finding) -> str:
+    width, height, left, right, top, bottom = 1100, 300, 60, 10, 28, 30
+    n = len(rows)
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def x(i: int) -> float:
+        return left + (i + 0.5) * plot_w / max(n, 1)
+
+    def y(err: float) -> float:
+        if err == 0:
+            lg = _FLOOR
+        elif math.isinf(err):
+            lg = _CEIL
+        else:
+            lg = min(max(math.log10(err), _FLOOR), _CEIL)
+        return top + (_CEIL - lg) * plot_h / (_CEIL - _FLOOR)
+
+    svg = [f"<svg viewBox='0 0 {width} {height}' width='100%' role='img' "
+           f"xmlns='http://www.w3.org/2000/svg'>"]
+    # Layer bands, alternating, labelled when wide enough.
+    start, band = 0, 0
+    for i in range(1, n + 1):
+        if i == n or rows[i]["Layer"] != rows[start]["Layer"]:
+            x0, x1 = left + start * plot_w / n, left + i * plot_w / n
+            shade = "#e9eef6" if band % 2 else "#f8f9fb"
+            band += 1
+            label = rows[start]["Layer"]
+            svg.append(f"<rect x='{x0:.1f}' y='{top}' width='{x1 - x0:.1f}' height='{plot_h}' "
+                       f"fill='{shade}'><title>{_e(label)}</title></rect>")
+            if x1 - x0 > 7 * min(len(label), 24):
+                svg.append(f"<text x='{(x0 + x1) / 2:.1f}' y='{top - 8}' class='lbl' "
+                           f"text-anchor='middle'>{_e(label[:24])}</text>")
+            start = i
+    for lg in range(_FLOOR, _CEIL + 1, 2):
+        yy = top + (_CEIL - lg) * plot_h / (_CEIL - _FLOOR)
+        svg.append(f"<line x1='{left}' x2='{width - right}' y1='{yy:.1f}' y2='{yy:.1f}' "
+                   f"class='grid'/><text x='{left - 6}' y='{yy + 4:.1f}' class='ax' "
+                   f"text-anchor='end'>1e{lg}</text>")
+    svg.append(f"<text x='{left}' y='{height - 8}' class='ax'>execution order →</text>")
+    for i, row in enumerate(rows):
+        err = relative_error(row)
+        if err is None:
+            continue
+        bad = row["Diverged"] == "yes"
+        tip = (f"{row['Target Data Name']}\nrelative error {_fmt(err)}\ncosine "
+               f"{_fmt(row['Cosine'])}\nmax abs err {_fmt(row['Max Absolute Err'])}")
+        svg.append(f"<circle cx='{x(i):.1f}' cy='{y(err):.1f}' r='{3 if bad else 2.2}' "
+                   f"class='{'pb' if bad else 'pg'}'><title>{_e(tip)}</title></circle>")
+        if finding is not None and row is finding.row:
+            svg.append(f"<circle cx='{x(i):.1f}' cy='{y(err):.1f}' r='8' class='ring'/>")
+    svg.append("</svg>")
+    return "".join(svg)
+
+
+def _layers(result) -> str:
+    layers: dict[tuple[str, str], dict] = {}
+    for row in result.rows:
+        if row["Input/Output"] != "output":
+            continue
+        key = (row["Target Execution Count"], row["Layer"])
+        entry = layers.setdefault(key, {"outputs": 0, "crossing": 0, "cos": None, "err": None})
+        entry["outputs"] += 1
+        entry["crossing"] += row["Diverged"] == "yes"
+        if row["Cosine"] is not None:
+            entry["cos"] = row["Cosine"] if entry["cos"] is None else min(entry["cos"],
+                                                                            row["Cosine"])
+        err = relative_error(row)
+        if err is not None:
+            entry["err"] = err if entry["err"] is None else max(entry["err"], err)
+    if not layers:
+        return ""
+    body = "".join(
+        f"<tr class='{'bad' if e['crossing'] else ''}'><td>{_e(r)}</td><td>{_e(layer)}</td>"
+        f"<td>{e['outputs']}</td><td>{e['crossing']}</td><td>{_fmt(e['cos'])}</td>"
+        f"<td>{_fmt(e['err'])}</td></tr>" for (r, layer), e in layers.items())
+    return ("<h2>Per layer</h2><table class='grid'><tr><th>round</th><th>layer</th>"
+            "<th>outputs</th><th>crossing</th><th>min cosine</th><th>max relative error</th>"
+            f"</tr>{body}</table>")
+
+
+def _unmatched(result) -> str:
+    if not result.unmatched:
+        return "<h2>Unmatched</h2><p>Everything was matched.</p>"
+    body = "".join(f"<tr><td>{_e(u.side)}</td><td>{_e(u.kind)}</td><td>{_e(u.where)}</td>"
+                   f"<td><code>{_e(u.what)}</code></td><td>{u.count}</td></tr>"
+                   for u in result.unmatched[:MAX_TABLE_ROWS])
+    return ("<h2>Unmatched</h2><p>Present in one dump only (the two runs executed different ops "
+            "there, or were dumped with different filters).</p><table class='grid'><tr>"
+            "<th>only in</th><th>kind</th><th>where</th><th>what</th><th>count</th></tr>"
+            f"{body}</table>")
+
+
+def _table(result) -> str:
+    rows = result.rows[:MAX_TABLE_ROWS]
+    head = "".join(f"<th>{_e(c)}</th>" for c in TABLE_COLUMNS)
+    body = []
+    for row in rows:
+        cls = "bad" if row["Diverged"] == "yes" else ""
+        cells = "".join(f"<td>{_e(_fmt(row[c]))}</td>" for c in TABLE_COLUMNS)
+        body.append(f"<tr class='{cls}'>{cells}</tr>")
+    more = (f"<p>Showing the first {MAX_TABLE_ROWS} of {len(result.rows)} rows; the CSV and "
+            ".xlsx hold all of them.</p>" if len(result.rows) > MAX_TABLE_ROWS else "")
+    return ("<h2>All compared tensors</h2><p><input id='flt' placeholder='filter by name' "
+            "size='40'> <label><input type='checkbox' id='onlybad'> only crossing</label></p>"
+            f"{more}<table class='grid' id='tbl'><tr>{head}</tr>{''.join(body)}</table>")
+
+
+_HEAD = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font: 13px/1.4 system-ui, sans-serif; margin: 20px; color: #222; }}
+code {{ font-size: 12px; }}
+.big {{ font-size: 17px; font-weight: 600; margin-bottom: 4px; }}
+div.bad, div.warn, div.ok {{ padding: 10px 14px; border-radius: 6px; margin: 10px 0; }}
+div.bad {{ background: #fde8e8; border: 1px solid #e0a0a0; }}
+div.warn {{ background: #fff6dd; border: 1px solid #e0c070; }}
+div.ok {{ background: #e6f6e6; border: 1px solid #9c9; }}
+table.grid {{ border-collapse: collapse; }}
+table.grid td, table.grid th {{ border: 1px solid #ddd; padding: 2px 6px; white-space: nowrap; }}
+table.grid tr.bad td {{ background: #fde8e8; }}
+table.kv th {{ text-align: left; padding-right: 12px; }}
+line.grid {{ stroke: #ddd; }}
+.ax, .lbl {{ font-size: 10px; fill: #555; }}
+.pg {{ fill: #3366aa; }} .pb {{ fill: #cc2222; }}
+.ring {{ fill: none; stroke: #cc2222; stroke-width: 2; }}
+</style></head><body>"""
+
+_SCRIPT = """<script>
+(function () {
+  var flt = document.getElementById('flt'), bad = document.getElementById('onlybad');
+  var rows = document.querySelectorAll('#tbl tr');
+  function apply() {
+    var q = flt.value.toLowerCase();
+    for (var i = 1; i < rows.length; i++) {
+      var r = rows[i], show = r.textContent.toLowerCase().indexOf(q) >= 0;
+      if (bad.checked && r.className !== 'bad') show = false;
+      r.style.display = show ? '' : 'none';
+    }
+  }
+  if (flt) { flt.oninput = apply; bad.onchange = apply; }
+})();
+</script>"""
