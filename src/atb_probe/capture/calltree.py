@@ -209,10 +209,14 @@ class Engine:
             if self.active_rounds and not force:
                 self._sleep_requested = True
                 return
-            if getattr(nn.Module.__call__, "__atb_probe__", False):
-                nn.Module.__call__ = self._original
-            self._original = None
-            self._sleep_requested = False
+            self._restore()
+
+    def _restore(self) -> None:
+        """(Holding `_lock`.) Put the original `__call__` back."""
+        if getattr(nn.Module.__call__, "__atb_probe__", False):
+            nn.Module.__call__ = self._original
+        self._original = None
+        self._sleep_requested = False
 
     def after_fork(self) -> None:
         """In a forked child only the forking thread survives: start its stack afresh."""
@@ -239,6 +243,8 @@ class Engine:
         stack = self.tls.stack
         rnd = None
         try:
+            # Once sleep is requested no new round starts, so the running ones drain and the
+            # original __call__ goes back even while other threads keep calling the model.
             if _joined_mid_call() or torch.compiler.is_compiling():
                 frame = _PASS
             else:
@@ -280,11 +286,11 @@ class Engine:
         except Exception as exc:
             self.probe.report(exc)
         finally:
+            # Checked and done under one lock: a wake-up (install) in between must win.
             with self._lock:
                 self.active_rounds -= 1
-                sleep = self._sleep_requested and not self.active_rounds
-            if sleep:
-                self.uninstall()
+                if self._sleep_requested and not self.active_rounds:
+                    self._restore()
 
     # -- ops below the root -----------------------------------------------------------------
 
@@ -384,6 +390,8 @@ class Engine:
         out = func(*args, **kwargs)
         if frame is not None:
             try:
+                if frame.dump and op_name.startswith("c10d."):
+                    _wait_for_collective(out)
                 if written:
                     self.recorder.forget_written(frame.layer, pairs, written)
                 self.recorder.kernel_outputs(rnd, frame, out)
@@ -391,6 +399,14 @@ class Engine:
             except Exception as exc:
                 self.probe.report(exc)
         return out
+
+
+def _wait_for_collective(out) -> None:
+    """A collective's output tensors hold the result only once its Work completes; wait for it
+    before recording them (the caller would wait for it next anyway)."""
+    for item in out if isinstance(out, (tuple, list)) else (out,):
+        if not isinstance(item, torch.Tensor) and callable(getattr(item, "wait", None)):
+            item.wait()
 
 
 def _joined_mid_call() -> bool:
