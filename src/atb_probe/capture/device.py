@@ -23,7 +23,7 @@ _MAX_DEPTH = 3
 
 
 def device_id(module, args, kwargs) -> int:
-    """Decided from the first round: the accelerator index of its tensors, else LOCAL_RANK, else 0."""
+    """At the first round: the accelerator index of its tensors, else LOCAL_RANK, else 0."""
     for tensor in _candidates(module, args, kwargs):
         if tensor.device.type in _NOT_ACCELERATORS:
             continue
