@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 
 MAX_CONFIG_BYTES = 1024 * 1024
 TASKS = ("tensor", "statistics", "all")
-_ID_RE = re.compile(r"^\d+(?:_\d+)*$")
+# ASCII digits only, and few of them: int() of thousands of digits raises (and is slow), and no
+# round, device or op index comes near 10**18.
+MAX_NUMBER_DIGITS = 18
+_NUMBER_RE = re.compile(r"[0-9]{1,%d}" % MAX_NUMBER_DIGITS)
+_ID_RE = re.compile(r"[0-9]{1,%d}(?:_[0-9]{1,%d})*" % (MAX_NUMBER_DIGITS, MAX_NUMBER_DIGITS))
 _RANGE_WORDS = ("all", "none")
 
 
@@ -78,8 +82,10 @@ _TYPE_NAMES = {str: "str", bool: "bool", int: "int"}
 
 def parse_config(text: str) -> tuple[DumpConfig | None, list[str]]:
     """Parse a config document; None means "not usable, keep the last good configuration"."""
+    if text.startswith("\ufeff"):  # a BOM left by some Windows editors
+        text = text[1:]
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, parse_int=_parse_int)
     except (ValueError, RecursionError) as exc:
         return None, [f"config is not valid JSON ({_short(exc)}); keeping the last good "
                       "configuration"]
@@ -102,7 +108,7 @@ def parse_config(text: str) -> tuple[DumpConfig | None, list[str]]:
         # bool is an int in Python; JSON true is not a valid filter_level.
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             warnings.append(f"'{key}' must be {_TYPE_NAMES[expected]}, got "
-                            f"{_clip(json.dumps(value))}; using the default {json.dumps(default)}")
+                            f"{_show(value)}; using the default {json.dumps(default)}")
             value = default
         values[key] = value
 
@@ -118,11 +124,12 @@ def parse_config(text: str) -> tuple[DumpConfig | None, list[str]]:
     exec_range, msg = parse_exec_range(values["exec_range"])
     if msg:
         warnings.append(msg)
-    ids, msgs = _parse_list(values["ids"], "ids", _ID_RE.match, "op IDs such as 0 or 2_1")
+    ids, msgs = _parse_list(values["ids"], "ids", _ID_RE.fullmatch, "op IDs such as 0 or 2_1")
     warnings.extend(msgs)
     names, msgs = _parse_list(values["op_name"], "op_name", lambda s: True, "")
     warnings.extend(msgs)
-    devices, msgs = _parse_list(values["device"], "device", str.isdecimal, "device IDs such as 0")
+    devices, msgs = _parse_list(values["device"], "device", _NUMBER_RE.fullmatch,
+                                "device IDs such as 0")
     warnings.extend(msgs)
     config = DumpConfig(
         task=task,
@@ -146,8 +153,9 @@ def parse_exec_range(text: str) -> tuple[ExecRange, str | None]:
         return ExecRange("none", (), False), None
     parts = [p.strip() for p in text.split(",")]
     problem = None
-    if not all(p.isdecimal() for p in parts):
-        problem = "must be \"all\", \"none\" or comma-separated non-negative round numbers"
+    if not all(_NUMBER_RE.fullmatch(p) for p in parts):
+        problem = "must be \"all\", \"none\" or comma-separated non-negative round numbers " \
+                  f"(at most {MAX_NUMBER_DIGITS} digits each)"
     elif len(parts) % 2:
         problem = f"has {len(parts)} numbers; rounds come in start,end pairs"
     else:
@@ -184,6 +192,28 @@ def _clip(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+class _HugeNumber:
+    """A JSON integer too long to be any setting (int() of it would be slow or refused)."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _parse_int(text: str):
+    return int(text) if len(text) <= 64 else _HugeNumber(len(text))
+
+
+def _show(value) -> str:
+    """A JSON value as a short printable snippet for a warning."""
+    if isinstance(value, _HugeNumber):
+        return f"a number of {value.digits} digits"
+    try:
+        text = json.dumps(value, default=lambda v: f"<{v.digits}-digit number>")
+    except (ValueError, TypeError, RecursionError):
+        text = type(value).__name__
+    return _clip(text)
+
+
 def _short(exc: Exception) -> str:
     return _clip(str(exc), 120)
 
@@ -195,18 +225,25 @@ class ConfigFileError(OSError):
 def read_config_file(path: str) -> str | None:
     """The text of the config file, None when it does not exist; ConfigFileError when unsafe."""
     try:
-        # O_NONBLOCK: a FIFO planted at the path must not hang us.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
+        # Look before opening: opening a device can have side effects (a tape rewinds).
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigFileError(f"config {path} is {_kind(mode)}, not a regular file")
+        # O_NONBLOCK: a FIFO swapped in after the check must not hang us.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+                     | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    except IsADirectoryError:
-        raise ConfigFileError(f"config {path} is a directory, not a file") from None
     except PermissionError:
         raise ConfigFileError(f"config {path} cannot be read (permission denied)") from None
+    except ConfigFileError:
+        raise
+    except OSError as exc:
+        raise ConfigFileError(f"config {path} cannot be opened: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ConfigFileError(f"config {path} is not a regular file")
+            raise ConfigFileError(f"config {path} is {_kind(st.st_mode)}, not a regular file")
         if st.st_mode & stat.S_IWOTH:
             raise ConfigFileError(f"config {path} is writable by every user; refusing it "
                                   f"(run: chmod o-w {path})")
@@ -222,6 +259,19 @@ def read_config_file(path: str) -> str | None:
             total += len(chunk)
         if total > MAX_CONFIG_BYTES:
             raise ConfigFileError(f"config {path} grew past {MAX_CONFIG_BYTES} bytes")
+    except ConfigFileError:
+        raise
+    except OSError as exc:
+        raise ConfigFileError(f"config {path} cannot be read: {exc.strerror}") from None
     finally:
         os.close(fd)
     return b"".join(chunks).decode("utf-8", errors="replace")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
