@@ -245,7 +245,7 @@ class Engine:
         try:
             # Once sleep is requested no new round starts, so the running ones drain and the
             # original __call__ goes back even while other threads keep calling the model.
-            if _joined_mid_call() or torch.compiler.is_compiling():
+            if self._sleep_requested or _joined_mid_call() or torch.compiler.is_compiling():
                 frame = _PASS
             else:
                 rnd = self.begin_round(module, args, kwargs)
