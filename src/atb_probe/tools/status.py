@@ -1,8 +1,12 @@
 """`atb-probe status [OUTPUT]`: is every process's dump on disk yet?
 
-Reads the status files the probes keep under `atb_dump_data/status/` (SPEC §4) and prints one
-line per process and a verdict. Exit status: 0 when no live process has data queued, 1 while
-data is still on its way (so `until atb-probe status; do sleep 1; done` waits for it).
+Reads the status files the probes keep under `atb_dump_data/status/` (SPEC §4; the fields are
+listed in `Probe.status`) and prints each process's state, progress and configuration, then a
+verdict. Exit status: 0 when no live process has data queued, 1 while data is still on its way
+(so `atb-probe status --wait 60` or `until atb-probe status; do sleep 1; done` waits for it).
+
+A process counts as live while its pid runs and is the same process (its start time matches);
+one that ended without writing `exited` (killed) is listed as "gone".
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ def read_statuses(output: str) -> list[dict]:
         if not isinstance(doc, dict):
             continue
         doc["name"] = name[:-5]
-        doc["alive"] = not doc.get("exited") and _alive(doc.get("pid"))
+        doc["alive"] = not doc.get("exited") and _alive(doc.get("pid"), doc.get("proc_start"))
         docs.append(doc)
     return docs
 
@@ -93,16 +97,35 @@ def _status(args) -> int:
         return 0 if complete else 1
     for d in docs:
         state = d.get("state", "?") if d["alive"] else ("exited" if d.get("exited") else "gone")
-        print(f"{d['name']:>16}  {state:<8}  rounds {d.get('rounds_dumped', 0):>4}  "
-              f"files {d.get('files_written', 0):>7}  written {_size(d.get('bytes_written', 0)):>9}"
-              f"  queued {_size(d.get('bytes_queued', 0)):>9}  updated {d.get('updated_at', '?')}")
+        print(f"{d['name']:>16}  {state:<8}  rounds {d.get('rounds_dumped', 0):>4} dumped "
+              f"of {d.get('rounds_started', 0):>4}  files {d.get('files_written', 0):>7}  "
+              f"written {_size(d.get('bytes_written', 0)):>9}  "
+              f"queued {_size(d.get('bytes_queued', 0)):>9}  updated {d.get('updated_at', '?')}")
+        print(f"{'':>16}  {_describe_config(d)}")
+        if d.get("config_problem"):
+            print(f"{'':>16}  config file not used: {d['config_problem']}")
         if d.get("last_error"):
             print(f"{'':>16}  last error: {d['last_error']}")
     print(message)
     return 0 if complete else 1
 
 
-def _alive(pid) -> bool:
+def _describe_config(doc: dict) -> str:
+    cfg = doc.get("config_in_effect")
+    if not isinstance(cfg, dict):
+        return f"no config yet (watching {doc.get('config') or '?'})"
+    if not cfg.get("dump_enable"):
+        return "config: dump_enable false"
+    parts = [f"task={cfg.get('task')}", f"exec_range={cfg.get('exec_range')}"]
+    for key in ("ids", "op_name", "device"):
+        if cfg.get(key):
+            parts.append(f"{key}={cfg[key]}")
+    if cfg.get("save_child"):
+        parts.append(f"save_child filter_level={cfg.get('filter_level')}")
+    return f"config: {' '.join(parts)} (since {doc.get('config_applied_at', '?')})"
+
+
+def _alive(pid, proc_start=None) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -111,12 +134,15 @@ def _alive(pid) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie (exited, not yet reaped) is not alive.
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
         return True
+    # A zombie (exited, not yet reaped) is not alive; nor is another process that got the pid.
+    if not fields or fields[0] == "Z":
+        return False
+    return not isinstance(proc_start, int) or len(fields) < 20 or fields[19] == str(proc_start)
 
 
 def _size(n) -> str:
