@@ -18,13 +18,16 @@ Two payload-less variants exist, both with `$Object.Count=0` and `$Object.Length
   holds the bytes (filter_level 1: the same bytes were already written in this layer execution);
 * a *header-only* file (filter_level 2 kernels) carries `data=` naming itself.
 
-The reader never trusts the header: sizes are checked against the file's real length before any
-allocation, and every inconsistency raises `BinFormatError` with a message saying what is wrong.
+The reader never trusts the header: it must end with a `$End=1` line within `MAX_HEADER_BYTES`,
+name each key once, hold plain decimal integers, and state sizes that agree with each other and
+with the file's real length; only then is anything allocated. Every inconsistency raises
+`BinFormatError` with a message saying what is wrong.
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 from .dtypes import BY_CODE, DType
@@ -91,26 +94,32 @@ class BinHeader:
 
 
 def parse_header(raw: bytes, file_size: int) -> BinHeader:
-    """Parse and validate the header at the start of `raw` for a file of `file_size` bytes."""
-    end = raw.find(b"$End=1\n")
-    if end < 0:
-        raise BinFormatError("no '$End=1' line in the first "
-                             f"{min(len(raw), MAX_HEADER_BYTES)} bytes: not an ATB .bin file "
-                             "or a truncated header")
-    offset = end + len(b"$End=1\n")
-    try:
-        text = raw[:end].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BinFormatError(f"header is not text: {exc}") from None
+    """Parse and validate the header at the start of `raw` for a file of `file_size` bytes.
+
+    Every size the header states is checked against the others and against `file_size`, so a
+    caller that trusts the result never reads (or allocates) more than the file holds."""
     fields: dict[str, str] = {}
-    for line in text.split("\n"):
-        if not line:
-            continue
+    pos = 0
+    while True:
+        nl = raw.find(b"\n", pos, MAX_HEADER_BYTES)
+        if nl < 0:
+            raise BinFormatError(f"no '$End=1' line in the first {min(len(raw), MAX_HEADER_BYTES)}"
+                                 " bytes: a truncated header, or not an ATB .bin file")
+        line_bytes, pos = raw[pos:nl], nl + 1
+        if line_bytes == b"$End=1":
+            break
+        try:
+            line = line_bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BinFormatError(f"header line {len(fields) + 1} is not text") from None
         key, sep, value = line.partition("=")
-        if not sep:
-            raise BinFormatError(f"header line without '=': {line[:80]!r}")
+        if not sep or not key:
+            raise BinFormatError(f"header line without 'key=': {line[:80]!r}")
+        if key in fields:
+            raise BinFormatError(f"header repeats '{key}'")
         fields[key] = value
-    for key in ("$Object.Count", "$Object.Length", "dtype", "dims"):
+    offset = pos
+    for key in ("$Version", "$Object.Count", "$Object.Length", "dtype", "dims"):
         if key not in fields:
             raise BinFormatError(f"header lacks '{key}'")
     count = _int_field(fields, "$Object.Count")
@@ -119,55 +128,78 @@ def parse_header(raw: bytes, file_size: int) -> BinHeader:
     fmt = _int_field(fields, "format") if "format" in fields else FORMAT_ND
     if code not in BY_CODE:
         raise BinFormatError(f"unknown dtype code {code}")
+    if fmt < 0:
+        raise BinFormatError(f"negative format code {fmt}")
     dtype = BY_CODE[code]
-    dims_text = fields["dims"].strip()
-    if dims_text:
-        parts = dims_text.split(",")
-        if len(parts) > MAX_DIMS:
-            raise BinFormatError(f"{len(parts)} dims (at most {MAX_DIMS})")
-        try:
-            dims = tuple(int(p) for p in parts)
-        except ValueError:
-            raise BinFormatError(f"dims is not a list of integers: {dims_text[:80]!r}") from None
-    else:
-        dims = ()
-    if any(d < 0 for d in dims):
-        raise BinFormatError(f"negative dimension in dims={dims_text[:80]}")
-    numel = math.prod(dims)
+    dims = _dims(fields["dims"])
+    payload = file_size - offset
     if count == 0:
         if length != 0:
-            raise BinFormatError("$Object.Count=0 but $Object.Length is not 0")
+            raise BinFormatError(f"$Object.Count=0 but $Object.Length={length}")
         ref = fields.get("data")
         if not ref:
             raise BinFormatError("$Object.Count=0 without a 'data=' line")
+        if payload:
+            raise BinFormatError(f"a payload-less header followed by {payload} bytes")
         return BinHeader(dtype, dims, fmt, 0, offset, ref)
     if count != 1:
         raise BinFormatError(f"$Object.Count={count}: only single-object files are supported")
     if length < 0:
         raise BinFormatError(f"negative $Object.Length={length}")
-    if numel * dtype.itemsize != length:
-        raise BinFormatError(f"dims {dims} x {dtype.csv_name} need {numel * dtype.itemsize} "
-                             f"bytes but $Object.Length={length}")
+    need = math.prod(dims) * dtype.itemsize
+    if need != length:
+        raise BinFormatError(f"dims {_short_dims(dims)} x {dtype.csv_name} need {_short_int(need)}"
+                             f" bytes but $Object.Length={length}")
     if "$Object.data" in fields:
         start, _, size = fields["$Object.data"].partition(",")
-        try:
-            start_i, size_i = int(start), int(size)
-        except ValueError:
-            raise BinFormatError("malformed $Object.data") from None
-        if start_i != 0 or size_i != length:
-            raise BinFormatError(f"$Object.data={start_i},{size_i} disagrees with "
+        if not (_UINT.fullmatch(start) and _UINT.fullmatch(size)):
+            raise BinFormatError(f"malformed $Object.data={fields['$Object.data'][:40]!r}")
+        if int(start) != 0 or int(size) != length:
+            raise BinFormatError(f"$Object.data={start},{size} disagrees with "
                                  f"$Object.Length={length}")
-    if file_size - offset != length:
-        raise BinFormatError(f"payload is {file_size - offset} bytes but the header says {length}"
+    if payload != length:
+        raise BinFormatError(f"payload is {payload} bytes but the header says {length}"
                              " (truncated or trailing data)")
     return BinHeader(dtype, dims, fmt, length, offset, None)
 
 
+_INT = re.compile(r"-?[0-9]{1,19}")
+_UINT = re.compile(r"[0-9]{1,19}")
+
+
 def _int_field(fields: dict[str, str], key: str) -> int:
     value = fields[key].strip()
-    if not value.lstrip("-").isdigit() or len(value) > 20:
+    if not _INT.fullmatch(value):
         raise BinFormatError(f"{key} is not an integer: {value[:40]!r}")
     return int(value)
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    text = text.strip()
+    if not text:
+        return ()
+    parts = text.split(",")
+    if len(parts) > MAX_DIMS:
+        raise BinFormatError(f"{len(parts)} dims (at most {MAX_DIMS})")
+    dims = []
+    for part in parts:
+        part = part.strip()
+        if not _INT.fullmatch(part):
+            raise BinFormatError(f"dims is not a list of integers: {text[:80]!r}")
+        if part.startswith("-"):
+            raise BinFormatError(f"negative dimension in dims={text[:80]}")
+        dims.append(int(part))
+    return tuple(dims)
+
+
+def _short_dims(dims: tuple[int, ...]) -> str:
+    text = str(dims)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _short_int(n: int) -> str:
+    text = str(n)
+    return text if len(text) <= 24 else f"about 10^{len(text) - 1}"
 
 
 def read_header(path: str | os.PathLike) -> BinHeader:
@@ -186,6 +218,11 @@ def read_payload(path: str | os.PathLike, header: BinHeader | None = None) -> by
             header = parse_header(f.read(MAX_HEADER_BYTES), size)
         if header.is_reference:
             raise BinFormatError(f"{path} is a reference to {header.data_ref!r}, not data")
+        if header.nbytes < 0 or header.payload_offset < 0 or \
+                size - header.payload_offset < header.nbytes:
+            # A header read earlier (or made up) that this file cannot back: do not allocate it.
+            raise BinFormatError(f"{path}: the file holds {size} bytes, fewer than its header "
+                                 f"promises ({header.payload_offset} + {header.nbytes})")
         f.seek(header.payload_offset)
         data = f.read(header.nbytes)
     if len(data) != header.nbytes:
