@@ -1,0 +1,258 @@
+"""One case, measured in this process: paired runs, bytes written, peak memory, profiles.
+
+A *pair* is one un-probed generation and one probed generation, back to back in this process,
+their order alternating from pair to pair so that a slow drift of the machine (other jobs, heat,
+the page cache) falls on both sides alike. The case's value is the median of the pairs' ratios.
+
+A probed run is timed from the tool's start to the moment its data is on disk (for atb-probe
+`disable()`, which waits for the writer queue; for msprobe `stop()` and `step()`, which write
+synchronously), so background writing is never hidden. Its dump is then scanned (bytes, files)
+and deleted, and the file system is synced, outside the timed region.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import re
+import resource
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+
+from workload import Workload
+
+_HWM = re.compile(r"VmHWM:\s+(\d+)\s+kB")
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+def reset_peak() -> bool:
+    """Restart this process's peak-RSS counter (Linux `clear_refs` 5); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_mib() -> float | None:
+    """Peak RSS since the last `reset_peak` (or since start), MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            m = _HWM.search(f.read())
+        return int(m.group(1)) / 1024 if m else None
+    except OSError:
+        return None
+
+
+def process_peak_mib() -> float:
+    """Peak RSS of the whole process so far, MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- files --------------------------------------------------------------------------------------
+
+def scan(root: str) -> tuple[int, list[tuple[str, int]]]:
+    """(total bytes, [(path relative to root, size)]) of every regular file below `root`."""
+    files, total = [], 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            try:
+                size = os.lstat(path).st_size
+            except OSError:
+                continue
+            files.append((os.path.relpath(path, root), size))
+            total += size
+    return total, files
+
+
+def plain_write(files: list[tuple[str, int]], dest: str) -> float:
+    """Seconds plain Python takes to write the same tree: same relative paths, same sizes,
+    one `open`/`write`/`close` per file (no temporary names, no checks)."""
+    biggest = max((s for _, s in files), default=0)
+    buf = memoryview(bytearray(os.urandom(min(biggest, 1 << 20)) * (biggest // (1 << 20) + 1)))
+    made = set()
+    start = time.perf_counter()
+    for rel, size in files:
+        folder = os.path.join(dest, os.path.dirname(rel))
+        if folder not in made:
+            os.makedirs(folder, exist_ok=True)
+            made.add(folder)
+        with open(os.path.join(dest, rel), "wb") as f:
+            f.write(buf[:size])
+    return time.perf_counter() - start
+
+
+def remove(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.sync()
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+def _timed(fn) -> tuple[float, float, float | None, object]:
+    """(wall s, CPU s of the whole process, peak RSS MiB during the call, result)."""
+    gc.collect()
+    has_peak = reset_peak()
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    result = fn()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return wall, cpu, (peak_mib() if has_peak else None), result
+
+
+def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = False) -> dict:
+    """Measure `case` on workload `spec` in this process; a JSON-ready dict."""
+    torch.set_num_threads(threads)
+    os.makedirs(work_dir, exist_ok=True)
+    wl = Workload(spec)
+
+    pristine = [_timed(wl.run)[0] for _ in range(3)][1:]  # before any tool is imported
+    runner = case.runner()
+    runner.setup(wl, work_dir)
+
+    counter = iter(range(10 ** 6))
+
+    def probed_once(last: bool) -> dict:
+        run_dir = os.path.join(work_dir, f"run{next(counter)}")
+        wall, cpu, peak, dump_dir = _timed(lambda: runner.probed(wl, run_dir))
+        nbytes, files = scan(dump_dir)
+        rec = {"s": wall, "cpu_s": cpu, "peak_mib": peak, "bytes": nbytes, "files": len(files)}
+        if case.plain_baseline:
+            plain_dir = os.path.join(work_dir, "plain")
+            rec["plain_s"] = plain_write(files, plain_dir)
+            remove(plain_dir)
+        if not (keep and last):
+            remove(dump_dir)
+        return rec
+
+    def unprobed_once() -> dict:
+        wall, cpu, peak, _ = _timed(wl.run)
+        return {"s": wall, "cpu_s": cpu, "peak_mib": peak}
+
+    started = time.time()
+    probed_once(last=False)  # warm-up: first-call costs (imports, caches, hook registration)
+    unprobed_once()
+    records = []
+    for i in range(pairs):
+        last = i == pairs - 1
+        if i % 2 == 0:
+            un = unprobed_once()
+            pr = probed_once(last)
+        else:
+            pr = probed_once(last)
+            un = unprobed_once()
+        records.append({"unprobed": un, "probed": pr})
+    runner.close()
+
+    ratios = [r["probed"]["s"] / r["unprobed"]["s"] for r in records]
+    cpu_ratios = [r["probed"]["cpu_s"] / max(r["unprobed"]["cpu_s"], 1e-9) for r in records]
+    result = {
+        "case": case.name,
+        "tool": case.tool,
+        "pairs": records,
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "best_ratio": min(r["probed"]["s"] for r in records)
+        / min(r["unprobed"]["s"] for r in records),
+        "cpu_ratio": statistics.median(cpu_ratios),
+        "unprobed_s": statistics.median(r["unprobed"]["s"] for r in records),
+        "probed_s": statistics.median(r["probed"]["s"] for r in records),
+        "pristine_s": statistics.median(pristine),
+        "bytes": statistics.median(r["probed"]["bytes"] for r in records),
+        "files": statistics.median(r["probed"]["files"] for r in records),
+        "process_peak_mib": process_peak_mib(),
+        "seconds": time.time() - started,
+        "versions": _versions(),
+    }
+    if case.plain_baseline:
+        plain = [r["probed"]["plain_s"] for r in records]
+        result["plain_s"] = statistics.median(plain)
+        result["plain_ratio"] = statistics.median(
+            r["probed"]["s"] / (r["unprobed"]["s"] + r["probed"]["plain_s"]) for r in records)
+        result["plain_best_ratio"] = min(r["probed"]["s"] for r in records) / (
+            min(r["unprobed"]["s"] for r in records) + min(plain))
+    return result
+
+
+def _versions() -> dict:
+    out = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for name in ("transformers", "atb_probe", "msprobe"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            out[name] = getattr(mod, "__version__", "?")
+    if "msprobe" in sys.modules:
+        try:
+            from importlib.metadata import version
+            out["msprobe"] = version("mindstudio-probe")
+        except Exception:
+            pass
+    return out
+
+
+# -- profiling ----------------------------------------------------------------------------------
+
+def profile_case(case, spec, threads: int, work_dir: str, top: int, save: str | None) -> str:
+    """One warm probed run under cProfile: the model thread, and for atb-probe the writer
+    thread too (profiled on its own). The report's text."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.set_num_threads(threads)
+    os.makedirs(work_dir, exist_ok=True)
+    wl = Workload(spec)
+    wl.run()
+    runner = case.runner()
+    runner.setup(wl, work_dir)
+    remove(runner.probed(wl, os.path.join(work_dir, "warm")))
+
+    writer_profiles = []
+    if case.tool == "atb-probe":
+        from atb_probe.record import writer as writer_mod
+        original_run = writer_mod.Writer._run
+
+        def profiled_run(self):
+            prof = cProfile.Profile()
+            writer_profiles.append(prof)
+            prof.enable()
+            try:
+                original_run(self)
+            finally:
+                prof.disable()
+
+        writer_mod.Writer._run = profiled_run
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    dump_dir = runner.probed(wl, os.path.join(work_dir, "profiled"))
+    prof.disable()
+    wall = time.perf_counter() - t0
+    nbytes, files = scan(dump_dir)
+    remove(dump_dir)
+    t0 = time.perf_counter()
+    wl.run()
+    base = time.perf_counter() - t0
+
+    out = io.StringIO()
+    out.write(f"case {case.name}, workload {spec.name}: probed run {wall:.3f} s under cProfile "
+              f"(un-probed run {base:.3f} s without it), {len(files)} files, "
+              f"{nbytes / 1e6:.1f} MB\n")
+    sections = [("model thread", prof)] + [(f"writer thread {i}", p)
+                                           for i, p in enumerate(writer_profiles)]
+    for title, p in sections:
+        for key in ("tottime", "cumulative"):
+            out.write(f"\n== {title}, top {top} by {key} ==\n")
+            stats = pstats.Stats(p, stream=out).strip_dirs()
+            stats.sort_stats(key).print_stats(top)
+        if save:
+            os.makedirs(save, exist_ok=True)
+            p.dump_stats(os.path.join(save, f"{spec.name}-{case.name}-"
+                                            f"{title.replace(' ', '_')}.prof"))
+    return out.getvalue()
