@@ -106,9 +106,21 @@ def compare_dumps(golden: str, target: str, mode: str = "auto",
         rows.extend(round_rows)
     op_order.sort(key=lambda item: item[0])
     finding = first_divergence((item for _, item in op_order), thresholds)
+    if finding is not None:
+        finding.first_inside = _first_inside(rows, finding)
     return CompareResult(g_dump.path, t_dump.path, mode, thresholds, rows, alignment.unmatched,
                          finding, [(rp.golden.index, rp.target.index) for rp in alignment.rounds],
                          alignment.name_matched)
+
+
+def _first_inside(rows: list[dict], finding: Finding) -> str:
+    """The earliest crossing tensor of the found op's children (a weight shows up here)."""
+    prefix = finding.op_path + "/"
+    for row in rows:
+        if (row["Target Execution Count"] == str(finding.round_index) and row["Diverged"] == "yes"
+                and row["Target Data Name"].rsplit("/", 1)[0].startswith(prefix)):
+            return row["Target Data Name"]
+    return ""
 
 
 def compare_pair(golden: TensorRecord, target: TensorRecord, mode: str = "auto") -> dict:

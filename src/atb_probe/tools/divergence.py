@@ -61,6 +61,7 @@ class Finding:
     row: dict                    # the first crossing output row
     inputs_clean: bool           # False: no op had clean inputs; this is the first crossing one
     order: int                   # position in the target round
+    first_inside: str = ""       # the first crossing tensor within the op (a child's), if any
 
     def summary(self) -> str:
         """One line for the console and the report."""
@@ -75,14 +76,20 @@ class Finding:
             what = f"relative norm error {_num(r['Relative Err of Norm(%)'])}%"
         where = f"round {self.round_index}, {self.op_path} ({r['Target Data Name'].rsplit('/', 1)[1]})"
         if self.inputs_clean:
-            return f"first divergence: {where}: {what}; its inputs match"
+            inside = (f"; inside it, {self.first_inside} is the first to differ"
+                      if self.first_inside else "")
+            return f"first divergence: {where}: {what}; its inputs match{inside}"
         return (f"first crossing op: {where}: {what}; its inputs already differ, so the error "
                 "starts before the first dumped op (model inputs, or an op that was not dumped)")
 
 
 def first_divergence(ops, th: Thresholds) -> Finding | None:
     """The first op (iterable of (round_index, op_path, golden_op_path, in_rows, out_rows),
-    in execution order) whose outputs cross while its inputs do not."""
+    in execution order) whose outputs cross while its inputs do not.
+
+    Its child ops and kernels come before it in that order and, with inputs of their own (a
+    weight), may cross too without being the first divergence themselves; `first_inside`
+    (filled by the caller) names the earliest of them."""
     fallback = None
     for round_index, op_path, golden_path, in_rows, out_rows in ops:
         bad_out = [r for r in out_rows if r["Diverged"] == "yes"]

@@ -1,0 +1,294 @@
+"""`atb-probe compare` on real dumps of a tiny Llama: itself, bf16, a perturbed layer."""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from atb_probe import cli
+from atb_probe.tools.compare import COLUMNS, CompareError, compare_dumps
+from atb_probe.tools.divergence import Thresholds
+from atb_probe.tools.dumpreader import open_dump
+
+from conftest import config, dump, generate, only_proc, tiny_llama
+
+PERTURBED_OP = "3_LlamaDecoderLayer/1_LlamaAttention/6_Linear"   # layers[1].self_attn.v_proj
+
+MSPROBE_TENSOR_COLUMNS = [
+    "Target Data Name", "Golden Data Name", "Target Device and PID", "Golden Device and PID",
+    "Target Execution Count", "Golden Execution Count", "Target Data Type", "Golden Data Type",
+    "Target Data Shape", "Golden Data Shape", "Cosine", "Euc Distance", "Max Absolute Err",
+    "Max Relative Err", "One Thousandth Err Ratio", "Five Thousandth Err Ratio", "Target Max",
+    "Golden Max", "Target Min", "Golden Min", "Target Mean", "Golden Mean", "Target Norm",
+    "Golden Norm"]
+MSPROBE_STATS_ONLY_COLUMNS = [
+    "Max Diff", "Min Diff", "Mean Diff", "Norm Diff", "Relative Err of Max(%)",
+    "Relative Err of Min(%)", "Relative Err of Mean(%)", "Relative Err of Norm(%)"]
+
+
+def perturb(model):
+    """Scale one projection of the second decoder layer by 10%."""
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight.mul_(1.1)
+    return model
+
+
+def llama_dump(tmp_path_factory, name, dtype=torch.float32, broken=False, **cfg):
+    model = tiny_llama(dtype=dtype)
+    if broken:
+        perturb(model)
+    settings = dict(task="all", save_child=True, filter_level=1)
+    settings.update(cfg)
+    tmp = tmp_path_factory.mktemp(name)
+    dump(tmp, config(**settings), lambda: generate(model, prompt_len=4, new_tokens=2))
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    return llama_dump(tmp_path_factory, "golden")
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    return llama_dump(tmp_path_factory, "bf16", dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    return llama_dump(tmp_path_factory, "broken", broken=True)
+
+
+@pytest.fixture(scope="module")
+def vs_broken(golden, broken):
+    return compare_dumps(str(golden), str(broken))
+
+
+@pytest.fixture(scope="module")
+def vs_bf16(golden, bf16):
+    return compare_dumps(str(golden), str(bf16))
+
+
+def test_compare_of_a_dump_with_itself_is_exact(golden):
+    result = compare_dumps(str(golden), str(golden))
+    assert len(result.rows) == sum(len(r.tensors) for r in open_dump(str(golden)).rounds)
+    assert {r["Target Execution Count"] for r in result.rows} == {"0", "1"}
+    for row in result.rows:
+        if row["Compare Mode"] == "no data":
+            assert row["Note"] == "empty tensor"
+            continue
+        assert row["Compare Mode"] == "tensor"
+        assert row["Cosine"] in (1.0, None)          # None: single-element tensors
+        assert row["Max Absolute Err"] == 0.0 and row["Euc Distance"] == 0.0
+        assert row["Max Relative Err"] == 0.0
+        assert row["One Thousandth Err Ratio"] == 1.0 and row["Five Thousandth Err Ratio"] == 1.0
+        assert row["Diverged"] == "no" and row["Match"] == "id"
+    assert result.unmatched == [] and result.finding is None
+
+
+def test_perturbed_layer_is_named_as_the_first_divergence(vs_broken):
+    result = vs_broken
+    f = result.finding
+    assert f is not None and f.inputs_clean
+    assert (f.round_index, f.op_path) == (0, PERTURBED_OP)
+    assert f.row["Target Data Name"] == f"{PERTURBED_OP}/output.0"
+    # Everything that ran before it is bit-identical; inside it, the changed weight is the
+    # first tensor that differs (the transpose kernel's input).
+    before = [r for r in result.rows
+              if r["Target Execution Count"] == "0" and r["Order"] < f.row["Order"]
+              and r["Compare Mode"] == "tensor"]
+    inside = [r for r in before if r["Target Data Name"].startswith(PERTURBED_OP + "/")]
+    assert before and all(r["Max Absolute Err"] == 0.0 for r in before if r not in inside)
+    assert f.first_inside == f"{PERTURBED_OP}/0_TKernel/input.0"
+
+
+def test_the_named_op_is_the_one_whose_weights_were_changed(golden, broken):
+    """6_Linear of the second layer's attention really is v_proj: its dumped output is
+    v_proj(input) with the golden model's weights."""
+    model = tiny_llama()
+    rnd = only_proc(golden / "atb_dump_data") / "0" / PERTURBED_OP
+    from atb_probe import load
+    x = load(next((rnd / "before").glob("intensor0*.bin")))
+    y = load(rnd / "after" / "outtensor0.bin")
+    expected = torch.nn.functional.linear(x, model.model.layers[1].self_attn.v_proj.weight)
+    assert torch.allclose(y, expected, atol=1e-6)
+
+
+def test_bf16_against_fp32_gives_plausible_metrics(vs_bf16):
+    result = vs_bf16
+    floats = [r for r in result.rows if r["Compare Mode"] == "tensor"
+              and r["Target Data Type"] == "bf16" and r["Cosine"] is not None]
+    assert len(floats) > 100
+    cosines = sorted(r["Cosine"] for r in floats)
+    assert cosines[0] > 0.99 and cosines[len(cosines) // 2] > 0.9999
+    assert all(c <= 1.0 + 1e-12 for c in cosines)
+    errors = [r["Max Absolute Err"] for r in floats]
+    assert sum(e > 0 for e in errors) > len(errors) // 2 and max(errors) < 0.5
+    assert any(r["Note"].startswith("dtype differs") for r in floats)
+
+
+def test_bf16_only_casts_are_reported_as_unmatched_and_the_rest_paired_by_name(vs_bf16):
+    result = vs_bf16
+    assert result.name_matched_ops > 0
+    assert result.unmatched
+    for u in result.unmatched:
+        assert (u.side, u.kind) == ("target", "op") and u.what.endswith("_ToCopyKernel")
+    # The kernels after an extra cast keep their pairing: RMSNorm's PowTensorScalarKernel is
+    # #0 in fp32 and #1 in bf16.
+    names = {(r["Golden Data Name"], r["Target Data Name"]) for r in result.rows}
+    assert ("2_LlamaDecoderLayer/0_LlamaRMSNorm/0_PowTensorScalarKernel/output.0",
+            "2_LlamaDecoderLayer/0_LlamaRMSNorm/1_PowTensorScalarKernel/output.0") in names
+
+
+def test_bf16_rounding_of_the_embedding_crosses_the_default_1permille_ratio(golden, bf16,
+                                                                           vs_bf16):
+    assert vs_bf16.finding is not None and vs_bf16.finding.op_path == "0_Embedding"
+    loose = compare_dumps(str(golden), str(bf16), thresholds=Thresholds(min_ratio=0.0))
+    assert loose.finding is None
+
+
+def test_a_statistics_dump_is_compared_by_its_statistics(tmp_path_factory, golden):
+    stats_only = llama_dump(tmp_path_factory, "stats", broken=True, task="statistics",
+                            exec_range="0,0")
+    result = compare_dumps(str(golden), str(stats_only))
+    modes = {r["Compare Mode"] for r in result.rows}
+    assert modes <= {"statistics", "no data"} and "statistics" in modes
+    f = result.finding
+    assert f is not None and f.op_path == PERTURBED_OP
+    assert f.row["Relative Err of Norm(%)"] == pytest.approx(10.0, rel=0.01)
+    # Round 1 exists only in the golden dump.
+    assert [(u.side, u.kind) for u in result.unmatched] == [("golden", "round")]
+
+
+def test_header_only_kernels_fall_back_to_csv_statistics_or_report_no_data(tmp_path_factory,
+                                                                          golden):
+    level2 = llama_dump(tmp_path_factory, "level2", broken=True, task="tensor", filter_level=2,
+                        exec_range="0,0")
+    result = compare_dumps(str(golden), str(level2))
+    kernels = [r for r in result.rows if r["Target Data Name"].split("/")[-2].endswith("Kernel")]
+    assert kernels and {r["Compare Mode"] for r in kernels} <= {"statistics", "no data"}
+    assert result.finding.op_path == PERTURBED_OP
+    strict = compare_dumps(str(golden), str(level2), mode="tensor")
+    no_data = [r for r in strict.rows if r["Compare Mode"] == "no data"
+               and r["Note"] != "empty tensor"]
+    assert no_data and all("header-only" in r["Note"] for r in no_data)
+    assert strict.finding.op_path == PERTURBED_OP
+
+
+def test_cli_writes_csv_xlsx_and_a_self_contained_report(golden, broken, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", str(golden), str(broken), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"first divergence: round 0, {PERTURBED_OP} (output.0)" in printed
+    with open(out / "atb_compare_result.csv", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        rows = list(reader)
+    assert header == list(COLUMNS)
+    # msprobe's columns, in its order, come first; its statistics-mode columns are there too.
+    assert [c for c in header if c in MSPROBE_TENSOR_COLUMNS] == MSPROBE_TENSOR_COLUMNS
+    assert header[:16] == MSPROBE_TENSOR_COLUMNS[:16]
+    assert set(MSPROBE_STATS_ONLY_COLUMNS) <= set(header)
+    assert rows and all(len(r) == len(header) for r in rows)
+    import pandas as pd
+    sheets = pd.read_excel(out / "atb_compare_result.xlsx", sheet_name=None,
+                           keep_default_na=False)
+    assert list(sheets) == ["compare", "unmatched", "summary"]
+    assert len(sheets["compare"]) == len(rows)
+    report = (out / "atb_compare_report.html").read_text()
+    assert report.index(PERTURBED_OP) < report.index("<svg")     # the finding comes first
+    assert report.count("<svg") == 2                               # one plot per round
+    assert not re.search(r"""(src|href)\s*=\s*["']?https?:""", report)
+    assert "<script src" not in report
+
+
+def test_compare_accepts_process_and_round_folders(golden, broken):
+    g, b = only_proc(golden / "atb_dump_data"), only_proc(broken / "atb_dump_data")
+    by_proc = compare_dumps(str(g), str(b))
+    by_round = compare_dumps(str(g / "0"), str(b / "0"))
+    assert by_proc.finding.op_path == by_round.finding.op_path == PERTURBED_OP
+    assert len(by_round.rows) < len(by_proc.rows)
+
+
+def test_a_round_folder_against_a_dump_root_is_a_user_error(golden, broken, capsys):
+    g = only_proc(golden / "atb_dump_data") / "0"
+    with pytest.raises(CompareError, match="round folder"):
+        compare_dumps(str(g), str(broken))
+    assert cli.main(["compare", str(g), str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "give two round folders" in err and "Traceback" not in err
+    assert cli.main(["compare", str(golden / "nope"), str(broken)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_layer_level_dumps_name_the_perturbed_layer(tmp_path_factory, tmp_path, capsys):
+    """The README's second example: layer-level ops only, the broken layer is named."""
+    good = llama_dump(tmp_path_factory, "layers_good", save_child=False, exec_range="0,0")
+    bad = llama_dump(tmp_path_factory, "layers_bad", broken=True, save_child=False,
+                     exec_range="0,0")
+    assert cli.main(["compare", str(good), str(bad), "-o", str(tmp_path / "c"), "--no-xlsx"]) == 0
+    assert "first divergence: round 0, 3_LlamaDecoderLayer (output.0)" in capsys.readouterr().out
+    report = (tmp_path / "c" / "atb_compare_report.html").read_text()
+    assert "First divergence: round 0, <code>3_LlamaDecoderLayer</code>" in report
+
+
+def test_metrics_are_finite_where_present(vs_broken):
+    for row in vs_broken.rows:
+        for column in ("Cosine", "Euc Distance", "Max Absolute Err", "Max Relative Err"):
+            value = row[column]
+            assert value is None or math.isfinite(value)
+
+
+# -- interoperability with mindstudio-probe ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def msprobe():
+    """The msprobe executable ($MSPROBE, else the venv this project tests against)."""
+    path = os.environ.get("MSPROBE", "/work/msprobe-venv/bin/msprobe")
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        pytest.skip(f"mindstudio-probe not installed (no executable at {path}; set MSPROBE)")
+    return path
+
+
+def test_msprobe_compare_accepts_our_dumps_and_agrees_with_our_metrics(msprobe, golden, broken,
+                                                                      vs_broken, tmp_path):
+    g = only_proc(golden / "atb_dump_data") / "0"
+    b = only_proc(broken / "atb_dump_data") / "0"
+    out = tmp_path / "msprobe_out"
+    run = subprocess.run([msprobe, "compare", "-m", "atb", "-gp", str(g), "-tp", str(b),
+                          "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = list(out.glob("atb_tensor_compare_result_*.xlsx"))
+    assert len(results) == 1, run.stdout + run.stderr
+    import pandas as pd
+    theirs = pd.read_excel(results[0], dtype=str, keep_default_na=False)
+    assert list(theirs.columns) == MSPROBE_TENSOR_COLUMNS
+    ours = {r["Target Data Name"]: r for r in vs_broken.rows
+            if r["Target Execution Count"] == "0"}
+    assert set(theirs["Target Data Name"]) == set(ours)
+    compared = 0
+    for _, row in theirs.iterrows():
+        mine = ours[row["Target Data Name"]]
+        if row["Cosine"] in ("N/A", "unsupported"):
+            continue  # reference files (msprobe never follows them), single elements
+        compared += 1
+        assert mine["Cosine"] == pytest.approx(float(row["Cosine"]), abs=2e-6)
+        assert mine["Max Absolute Err"] == pytest.approx(float(row["Max Absolute Err"]),
+                                                         rel=1e-6, abs=1e-12)
+        assert mine["Max Relative Err"] == pytest.approx(float(row["Max Relative Err"]),
+                                                         rel=1e-4, abs=1e-9)
+        assert mine["One Thousandth Err Ratio"] == pytest.approx(
+            float(row["One Thousandth Err Ratio"]), abs=1e-9)
+        assert mine["Euc Distance"] == pytest.approx(float(row["Euc Distance"]), rel=1e-6,
+                                                     abs=1e-12)
+    assert compared > 100
+    # The perturbed op's matmul diverges in msprobe's numbers too (the op's own output file is
+    # a reference to the matmul's bytes at filter_level 1, which msprobe shows as N/A).
+    bad = theirs[theirs["Target Data Name"] == f"{PERTURBED_OP}/2_MmKernel/output.0"].iloc[0]
+    assert float(bad["One Thousandth Err Ratio"]) < 0.9
