@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from ..dtypes import BY_TORCH_NAME, DType
@@ -96,28 +97,54 @@ plain = _plain
 
 
 def statistics(tensors: list[torch.Tensor]) -> list[tuple[float, float, float, float] | None]:
-    """(max, min, mean, L2 norm) of each tensor; None for empty ones. One host transfer."""
+    """(max, min, mean, L2 norm) of each tensor; None for empty ones.
+
+    Accumulated in float32 (float64 for double and integer tensors), over the tensor's memory in
+    storage order (a transposed view is reduced as fast as its base); means are sums divided by
+    the element count. CPU tensors are reduced by numpy: single-threaded, so a busy machine's
+    thread pool never makes a small reduction wait. Accelerator tensors are reduced on their
+    device, and all of an op's results come back in one host transfer."""
     rows: list = [None] * len(tensors)
     parts, where = [], []
     for i, t in enumerate(tensors):
-        if t.numel() == 0:
+        n = t.numel()
+        if n == 0:
             continue
         x = t.detach()
         if x.is_complex():
             x = x.abs()
-        if x.dtype not in (torch.float64, torch.float32):
-            # Integers in float64 so that int32/int64 values stay exact as far as they can.
+        if x.dtype is not torch.float32 and x.dtype is not torch.float64:
             x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
                      else torch.float64)
-        stats = torch.stack((x.max(), x.min(), x.mean(), torch.linalg.vector_norm(x)))
-        parts.append(stats.to(torch.float64))
-        where.append(i)
-    if not parts:
-        return rows
-    values = torch.stack(parts).tolist() if len(parts) > 1 else [parts[0].tolist()]
-    for i, v in zip(where, values):
-        rows[i] = tuple(v)
+        x = _dense_flat(x.resolve_neg())
+        if x.device.type == "cpu":
+            a = x.numpy()
+            rows[i] = (float(a.max()), float(a.min()), float(a.sum()) / n,
+                       math.sqrt(float(np.dot(a, a))))
+            continue
+        low, high = torch.aminmax(x)
+        parts.append(torch.stack((high, low, x.sum(), torch.linalg.vector_norm(x))).double())
+        where.append((i, n))
+    if parts:
+        values = torch.stack(parts).tolist()
+        for (i, n), (high, low, total, norm) in zip(where, values):
+            rows[i] = (high, low, total / n, norm)
     return rows
+
+
+def _dense_flat(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a 1-D tensor over the same memory when its elements fill it densely in some order
+    (contiguous, transposed, permuted), else a contiguous copy."""
+    if x.is_contiguous():
+        return x.view(-1)
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return x.reshape(-1)
+        expected *= size
+    return x.as_strided((x.numel(),), (1,))
 
 
 def host_bytes(t: torch.Tensor):
