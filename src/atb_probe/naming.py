@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import re
 
-MAX_NAME_BYTES = 255
+MAX_NAME_BYTES = 255  # the SPEC's bound on a name, and the file system's NAME_MAX
+# A name becomes part of longer components (`<index>_<name>`, `<name>_<id>.json`): keeping it
+# at 200 bytes leaves room for those within NAME_MAX.
+NAME_LIMIT = 200
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
-def sanitize(name: str, limit: int = MAX_NAME_BYTES) -> str:
-    """A single path component: no `/`, no `..`, printable ASCII-ish, at most `limit` bytes."""
+def sanitize(name: str, limit: int = NAME_LIMIT) -> str:
+    """A single path component: no `/`, no `..`, letters, digits, `_.-` only, at most `limit`
+    bytes (`NAME_LIMIT` by default)."""
     text = _UNSAFE.sub("_", str(name)) or "_"
     text = text.replace("..", "__")
     if text.startswith("."):
