@@ -2,13 +2,25 @@
 
 Jobs are queued in order and written by one thread, so the rows of a round's statistic.csv come
 after the files they name. The queue is bounded in bytes: a producer that outruns the disk waits
-(back-pressure) instead of growing memory without limit. Before each tensor file the free space
-is checked (SPEC §6: at least `min_free` bytes and twice the file); a full disk or any other write
-error stops the writer with one clear message, and nothing half-written is left behind.
+(back-pressure) instead of growing memory without limit, but never longer than the stall timeout
+(`ATB_PROBE_STALL_TIMEOUT`, 120 s) without the disk taking a single byte: then dumping stops and
+the model goes on.
+
+Before each tensor file the free space is checked (SPEC §6: at least `min_free` bytes and twice
+the file); a file that does not fit is skipped with one warning, and its statistic.csv row says
+`N/A` instead of naming a file that is not there. A name the tree refuses (a planted link, a path
+over the length limit) skips that file the same way. Any other write error (disk full, permission
+denied, I/O error) stops the writer with one clear message; nothing half-written is left behind.
+
+csv rows are batched per file and appended atomically (see `SafeTree.append_lines`) at most every
+`ROWS_DELAY` seconds, and at once on `flush`/`close`. Queued and batched bytes both count in
+`bytes_queued` until they are on disk.
 """
 from __future__ import annotations
 
+import csv
 import errno
+import io
 import json
 import os
 import threading
@@ -17,11 +29,23 @@ from collections import deque
 from dataclasses import dataclass
 
 from .. import log
-from .safefs import SafeTree
+from .safefs import SafeTree, UnsafePathError
 
 GIB = 1024 ** 3
 DEFAULT_QUEUE_BYTES = 128 * 1024 ** 2
-_JOB_OVERHEAD = 256  # accounted bytes for a job besides its payload
+DEFAULT_STALL_SECONDS = 120.0
+# csv rows wait up to ROWS_DELAY seconds (longer for big files, up to ROWS_MAX_DELAY) or until
+# as many bytes as the file already holds are waiting: each append rewrites the file, and this
+# keeps the total cost linear in its size.
+ROWS_DELAY = 0.2
+ROWS_MAX_DELAY = 2.0
+ROWS_BATCH = 256 * 1024
+MAX_ROW_FILES = 16         # csv files with rows waiting at once
+_JOB_OVERHEAD = 256        # accounted bytes for a job besides its payload
+_NA = "N/A"                # the Tensor Path of a row whose file was not written (statcsv.NA)
+_ERRNO_WORDS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
+                errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                errno.EIO: "I/O error", errno.EROFS: "read-only file system"}
 
 
 @dataclass
@@ -33,22 +57,46 @@ class WriterStats:
     last_error: str | None = None
 
 
+class _Rows:
+    """csv rows waiting to be appended to one file."""
+
+    __slots__ = ("header", "parts", "nbytes", "accounted", "due", "file_bytes")
+
+    def __init__(self, header: bytes, now: float, file_bytes: int):
+        self.header = header
+        self.parts: list[bytes] = []
+        self.nbytes = 0        # bytes of rows waiting
+        self.accounted = 0     # their share of bytes_queued
+        self.file_bytes = file_bytes  # bytes this writer has appended to the file so far
+        self.due = now + min(ROWS_MAX_DELAY, ROWS_DELAY * max(1.0, file_bytes / ROWS_BATCH))
+
+
 class Writer:
     """Writes files and csv rows under a `SafeTree` from a background thread."""
 
     def __init__(self, tree: SafeTree, queue_bytes: int = DEFAULT_QUEUE_BYTES,
-                 min_free: int | None = None):
+                 min_free: int | None = None, stall_seconds: float | None = None):
         self.tree = tree
         self.capacity = queue_bytes
         self.min_free = _min_free_from_env() if min_free is None else min_free
+        self.stall_seconds = _stall_from_env() if stall_seconds is None else stall_seconds
         self.stats = WriterStats()
         self.failed = False
+        self._warned: set[str] = set()
+        self._reset_queue()
+        self._closed = False
+        tree.progress = self._progress
+
+    def _reset_queue(self) -> None:
         self._jobs: deque = deque()
         self._cond = threading.Condition()
         self._busy = False
         self._thread: threading.Thread | None = None
-        self._closed = False
-        self._free_checked: dict[str, tuple[float, int]] = {}
+        self._rows: dict[tuple[str, str], _Rows] = {}
+        self._row_file_bytes: dict[tuple[str, str], int] = {}
+        self._missing: set[str] = set()   # absolute paths of files skipped, until their row
+        self._urgent = 0                  # threads waiting for the disk: write rows now
+        self._last_progress = time.monotonic()
 
     # -- producer side (model threads) --------------------------------------------------------
 
@@ -71,9 +119,20 @@ class Writer:
             return
         with self._cond:
             self._ensure_thread()
-            while self.stats.bytes_queued and self.stats.bytes_queued + size > self.capacity \
-                    and not self.failed:
-                self._cond.wait(0.5)
+            if self.stats.bytes_queued and self.stats.bytes_queued + size > self.capacity:
+                self._urgent += 1
+                try:
+                    while self.stats.bytes_queued and \
+                            self.stats.bytes_queued + size > self.capacity and not self.failed:
+                        idle = time.monotonic() - self._last_progress
+                        if idle > self.stall_seconds:
+                            self._stop(f"the disk under {self.tree.root} took nothing for "
+                                       f"{idle:.0f} s; dumping stopped so the model can go on")
+                            break
+                        self._cond.notify_all()
+                        self._cond.wait(min(0.5, max(0.01, self.stall_seconds - idle)))
+                finally:
+                    self._urgent -= 1
             if self.failed:
                 return
             self._jobs.append((job, size))
@@ -84,13 +143,18 @@ class Writer:
         """Wait until everything queued is on disk; False when `timeout` ran out first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._jobs or self._busy:
-                if self._thread is None or not self._thread.is_alive():
-                    return not self._jobs
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(0.1 if left is None else min(left, 0.1))
+            self._urgent += 1
+            self._cond.notify_all()
+            try:
+                while self._jobs or self._busy or self._rows:
+                    if self._thread is None or not self._thread.is_alive():
+                        return not self._jobs and not self._rows
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cond.wait(0.1 if left is None else min(left, 0.1))
+            finally:
+                self._urgent -= 1
         return True
 
     def pending(self) -> int:
@@ -106,10 +170,7 @@ class Writer:
 
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's queue and thread."""
-        self._jobs = deque()
-        self._cond = threading.Condition()
-        self._busy = False
-        self._thread = None
+        self._reset_queue()
         self.stats = WriterStats()
 
     # -- writer thread ------------------------------------------------------------------------
@@ -122,41 +183,154 @@ class Writer:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._jobs and not self._closed:
-                    self._cond.wait()
-                if not self._jobs:
-                    return
-                job, size = self._jobs.popleft()
+                job = size = None
+                while True:
+                    if self._jobs:
+                        job, size = self._jobs.popleft()
+                        break
+                    if self._rows:
+                        wait = self._rows_wait()
+                        if wait <= 0:
+                            break
+                    elif self._closed:
+                        return
+                    else:
+                        wait = None
+                    self._cond.wait(wait)
                 self._busy = True
+            kept = 0
             try:
-                if not self.failed:
+                if job is None:
+                    self._write_rows()
+                elif job[0] == "rows":
+                    kept = size  # the batch accounts for it from here (see _add_rows)
+                    self._add_rows(job, size)
+                elif not self.failed:
                     self._do(job)
             except Exception as exc:  # the writer must never die silently
-                self._fail(exc, job)
+                self._fail(exc, self._where(job))
             finally:
                 with self._cond:
-                    self.stats.bytes_queued -= size
+                    if size:
+                        self.stats.bytes_queued -= size - kept
                     self._busy = False
+                    self._last_progress = time.monotonic()
                     self._cond.notify_all()
 
+    def _rows_wait(self) -> float:
+        """Seconds until waiting rows must be written (0: now)."""
+        if self._urgent or self._closed or self.failed:
+            return 0
+        return min(r.due for r in self._rows.values()) - time.monotonic()
+
+    def _progress(self, nbytes: int) -> None:
+        self._last_progress = time.monotonic()
+
     def _do(self, job: tuple) -> None:
-        kind = job[0]
+        kind, rel_dir, name = job[:3]
+        try:
+            if kind == "file":
+                chunks = job[3]
+                nbytes = sum(memoryview(c).nbytes for c in chunks)
+                if not self._has_room(rel_dir, nbytes, name):
+                    self._missing.add(self.tree.path(f"{rel_dir}/{name}"))
+                    return
+                self.tree.write_file(rel_dir, name, chunks)
+                self.stats.files_written += 1
+                self.stats.bytes_written += nbytes
+            elif kind == "json":
+                data = json.dumps(job[3], indent=2, ensure_ascii=False,
+                                  default=str).encode("utf-8")
+                self.stats.bytes_written += self.tree.write_file(rel_dir, name, [data])
+                self.stats.files_written += 1
+        except UnsafePathError as exc:
+            self._refuse(exc, rel_dir, name, kind)
+
+    def _where(self, job: tuple | None) -> str:
+        return self.tree.path(f"{job[1]}/{job[2]}") if job else self.tree.root
+
+    def _refuse(self, exc: UnsafePathError, rel_dir: str, name: str, kind: str) -> None:
+        self.stats.files_skipped += 1
         if kind == "file":
-            _, rel_dir, name, chunks = job
-            nbytes = sum(memoryview(c).nbytes for c in chunks)
-            if not self._has_room(rel_dir, nbytes, name):
-                return
-            self.tree.write_file(rel_dir, name, chunks)
-            self.stats.files_written += 1
-            self.stats.bytes_written += nbytes
-        elif kind == "rows":
-            _, rel_dir, name, data, header = job
-            self.stats.bytes_written += self.tree.append_lines(rel_dir, name, data, header)
-        elif kind == "json":
-            _, rel_dir, name, obj = job
-            data = json.dumps(obj, indent=2, ensure_ascii=False, default=str).encode("utf-8")
-            self.stats.bytes_written += self.tree.write_file(rel_dir, name, [data])
-            self.stats.files_written += 1
+            self._missing.add(self.tree.path(f"{rel_dir}/{name}"))
+        where = exc.filename or self.tree.path(rel_dir)
+        message = f"{exc.strerror}: {where}; such files are skipped"
+        self.stats.last_error = message
+        self._warn_once(f"unsafe-path-{exc.errno}", message)
+
+    # -- csv rows -----------------------------------------------------------------------------
+
+    def _add_rows(self, job: tuple, size: int) -> None:
+        """Batch a rows job; from the moment it joins the batch, the batch accounts for `size`.
+
+        Never raises: a failure to write the batch stops the writer here."""
+        _, rel_dir, name, data, header = job
+        if self.failed:
+            data = b""
+        elif self._missing:
+            data = self._unname_missing(data)
+        key = (rel_dir, name)
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = self._rows[key] = _Rows(header, time.monotonic(),
+                                           self._row_file_bytes.get(key, 0))
+        rows.parts.append(data)
+        rows.nbytes += len(data)
+        rows.accounted += size
+        if len(self._rows) > MAX_ROW_FILES or rows.nbytes >= max(ROWS_BATCH, rows.file_bytes):
+            self._write_rows()
+
+    def _write_rows(self) -> None:
+        """Append every waiting row to its file (each file in one atomic step). Never raises:
+        a write error stops the writer."""
+        while self._rows:
+            key, rows = next(iter(self._rows.items()))
+            error = None
+            try:
+                self._append(key, rows)
+            except UnsafePathError as exc:
+                self._refuse(exc, key[0], key[1], "rows")
+            except Exception as exc:
+                error = exc
+            finally:
+                self._release(key, rows)
+            if error is not None and not self.failed:
+                self._fail(error, self.tree.path(f"{key[0]}/{key[1]}"))
+
+    def _append(self, key: tuple[str, str], rows: _Rows) -> None:
+        data = b"".join(rows.parts)
+        if not data:
+            return
+        self.stats.bytes_written += self.tree.append_lines(key[0], key[1], data, rows.header)
+        if len(self._row_file_bytes) >= 256:
+            self._row_file_bytes.clear()
+        self._row_file_bytes[key] = rows.file_bytes + len(data)
+
+    def _release(self, key: tuple[str, str], rows: _Rows) -> None:
+        with self._cond:
+            self.stats.bytes_queued -= rows.accounted
+            self._cond.notify_all()
+        del self._rows[key]
+
+    def _unname_missing(self, data: bytes) -> bytes:
+        """Rows whose Tensor Path (the last cell) names a file that was skipped say N/A."""
+        try:
+            out = io.StringIO()
+            writer = csv.writer(out, lineterminator="\n")
+            changed = False
+            for row in csv.reader(io.StringIO(data.decode("utf-8"))):
+                if row and row[-1] in self._missing:
+                    self._missing.discard(row[-1])
+                    row[-1] = _NA
+                    changed = True
+                writer.writerow(row)
+        except (ValueError, csv.Error):
+            return data
+        if len(self._missing) > 100_000:  # files whose rows never came: forget them
+            self._missing.clear()
+        return out.getvalue().encode("utf-8") if changed else data
+
+    # -- free space and failure ---------------------------------------------------------------
 
     def _has_room(self, rel_dir: str, nbytes: int, name: str) -> bool:
         need = self.min_free + 2 * nbytes
@@ -164,28 +338,46 @@ class Writer:
         if free >= need:
             return True
         self.stats.files_skipped += 1
-        message = (f"only {free / GIB:.2f} GiB free under {self.tree.root}; skipping {name} "
-                   f"(needs {self.min_free / GIB:.2f} GiB + twice the file's size)")
-        if self.stats.last_error != message.split(";")[0]:
-            log.warn_once("free-space", message + ". Free some space; later files are skipped "
-                          "the same way.")
+        message = (f"only {_size(free)} free under {self.tree.root}; skipping {name} "
+                   f"(a tensor file needs {_size(self.min_free)} free plus twice its size)")
         self.stats.last_error = message
+        self._warn_once("free-space", message + ". Free some space; later files are skipped "
+                      "the same way (set ATB_PROBE_MIN_FREE_BYTES to change the reserve).")
         return False
 
-    def _fail(self, exc: Exception, job: tuple) -> None:
-        where = os.path.join(self.tree.root, job[1], job[2]) if len(job) > 2 else self.tree.root
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            message = f"disk full while writing {where}; dumping stopped"
+    def _fail(self, exc: Exception, where: str) -> None:
+        word = _ERRNO_WORDS.get(getattr(exc, "errno", None))
+        if word:
+            message = f"{word} while writing {where}; dumping stopped, the model goes on"
         else:
-            message = f"cannot write {where}: {exc}; dumping stopped"
-        self.failed = True
-        self.stats.last_error = message
-        log.error(message)
+            message = f"cannot write {where}: {type(exc).__name__}: {exc}; dumping stopped, " \
+                      "the model goes on"
+        if self._stop(message):
+            # Rows already waiting name files that are on disk: keep them if the disk lets us.
+            self._write_rows()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warn(message)
+
+    def _stop(self, message: str) -> bool:
+        """Stop writing: drop what is queued and say why, once. False if already stopped."""
         with self._cond:
+            if self.failed:
+                return False
+            self.failed = True
+            self.stats.last_error = message
             dropped = sum(s for _, s in self._jobs)
             self._jobs.clear()
             self.stats.bytes_queued -= dropped
             self._cond.notify_all()
+        log.error(message)
+        return True
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / 1024 ** 2:.1f} MiB"
 
 
 def _min_free_from_env() -> int:
@@ -195,3 +387,12 @@ def _min_free_from_env() -> int:
         return max(0, int(raw)) if raw else 2 * GIB
     except ValueError:
         return 2 * GIB
+
+
+def _stall_from_env() -> float:
+    raw = os.environ.get("ATB_PROBE_STALL_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else DEFAULT_STALL_SECONDS
+    except ValueError:
+        return DEFAULT_STALL_SECONDS
+    return value if value > 0 else DEFAULT_STALL_SECONDS
