@@ -132,7 +132,9 @@ class Probe:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            self._kick.wait(POLL_SECONDS)
+            # While data is on its way, look often: "nothing queued" shows soon after it is so.
+            busy = self.writer.stats.bytes_queued > 0
+            self._kick.wait(STATUS_MIN_INTERVAL if busy else POLL_SECONDS)
             self._kick.clear()
             if self._stop.is_set():
                 break
