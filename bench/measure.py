@@ -186,6 +186,8 @@ def _versions() -> dict:
         mod = sys.modules.get(name)
         if mod is not None:
             out[name] = getattr(mod, "__version__", "?")
+    if "atb_probe" in sys.modules:
+        out["atb_probe_path"] = os.path.dirname(sys.modules["atb_probe"].__file__)
     if "msprobe" in sys.modules:
         try:
             from importlib.metadata import version

@@ -5,6 +5,7 @@
     python bench/run.py --quick             # smoke run: 16+4 tokens, 3 pairs
     python bench/run.py --workload all --json results.json
     python bench/run.py --msprobe-python /path/to/msprobe-venv/bin/python
+    python bench/run.py --commit HEAD       # measure a clean export of a commit's src/
     python bench/run.py --profile stat-child --top 15
 
 Every case runs in a fresh subprocess of this script (`--case NAME`), so its peak RSS is its
@@ -41,9 +42,33 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.case:
         return _run_one(args)
-    if args.profile:
-        return _profile(args)
-    return _orchestrate(args)
+    exported = None
+    try:
+        if args.commit:
+            exported, args.src, args.commit = _export(args.commit)
+        if args.src:
+            args.src = os.path.abspath(args.src)
+            sys.path.insert(0, args.src)
+        if args.profile:
+            return _profile(args)
+        return _orchestrate(args)
+    finally:
+        if exported:
+            shutil.rmtree(exported, ignore_errors=True)
+
+
+def _export(rev: str) -> tuple[str, str, str]:
+    """A clean copy of `rev`'s src/ in a temporary folder: (folder, its src/, short sha)."""
+    import io
+    import tarfile
+    sha = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", rev], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    tar = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", sha, "src"],
+                         capture_output=True, check=True).stdout
+    folder = tempfile.mkdtemp(prefix=f"atb-bench-src-{sha}-")
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        tf.extractall(folder, filter="data")
+    return folder, os.path.join(folder, "src"), sha
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="interpreter with mindstudio-probe installed; 'off' to skip; 'auto' "
                         "(default): $ATB_BENCH_MSPROBE_PYTHON, else this interpreter if it "
                         "imports msprobe")
+    p.add_argument("--commit", default="",
+                   help="measure atb-probe as committed at this revision (a clean export of "
+                        "its src/), not the working tree")
+    p.add_argument("--src", default="",
+                   help="measure the atb_probe package found in this folder (a src/ directory)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per case")
     p.add_argument("--profile", metavar="CASE", default="",
                    help="instead of timing: profile one warm probed run of CASE (cProfile)")
@@ -122,7 +152,7 @@ def _orchestrate(args) -> int:
     names = ("small", "large") if args.workload == "all" else (args.workload,)
     root = os.path.abspath(args.out) if args.out else tempfile.mkdtemp(prefix="atb-bench-")
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
-    meta = _machine()
+    meta = _machine(args)
     meta.update(pairs=pairs, threads=args.threads, quick=args.quick, msprobe=ms_note,
                 started=datetime.datetime.now().isoformat(timespec="seconds"))
     doc = {"meta": meta, "workloads": {}}
@@ -190,6 +220,8 @@ def _spawn(args, key: str, workload: str, pairs: int, python: str, root: str) ->
     if args.out:
         cmd.append("--keep")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.src:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.src, env.get("PYTHONPATH")) if p)
     for var in ("ATB_DUMP_CONFIG", "ATB_OUTPUT_DIR"):  # a probe loaded in this shell: inert
         env.pop(var, None)
     print(f"[{workload}] {key}: {pairs} pairs ...", end=" ", file=sys.stderr, flush=True)
@@ -239,7 +271,7 @@ def _find_msprobe(choice: str) -> tuple[str | None, str]:
                   "skipped")
 
 
-def _machine() -> dict:
+def _machine(args) -> dict:
     info = {"platform": platform.platform(), "cores": os.cpu_count(), "cpu": platform.machine(),
             "python": platform.python_version(), "load_before": _loadavg()}
     try:
@@ -260,6 +292,10 @@ def _machine() -> dict:
         info["commit"] = commit + (" + uncommitted changes in src/" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         info["commit"] = "?"
+    if args.commit:
+        info["commit"] = f"{args.commit} (clean export)"
+    elif args.src:
+        info["commit"] = f"the package in {args.src}"
     return info
 
 
@@ -312,12 +348,13 @@ def render(name: str, wl: dict, meta: dict) -> str:
             f"{r['unprobed_s']:.3f} | {r['probed_s']:.3f} | {r['bytes'] / 1e6:.1f} | "
             f"{r['files']:.0f} | {_fmt_extra(extra, r)} | {value} | {verdict} |")
     lines += ["", "; ".join(legend) + "."]
-    tl = results.get("tensor-layer")
-    if tl and "plain_s" in tl:
-        lines += ["", f"`tensor-layer`: plain Python writes the same {tl['files']:.0f} files "
-                      f"({tl['bytes'] / 1e6:.1f} MB) in {tl['plain_s']:.3f} s; probed / "
-                      f"(un-probed + plain write) = {tl['plain_ratio']:.2f} (best-of "
-                      f"{tl['plain_best_ratio']:.2f})."]
+    for case in CASES:
+        tl = results.get(case.name, {})
+        if "plain_s" in tl:
+            lines += ["", f"`{case.name}`: plain Python writes the same {tl['files']:.0f} files "
+                          f"({tl['bytes'] / 1e6:.1f} MB) in {tl['plain_s']:.3f} s; probed / "
+                          f"(un-probed + plain write) = {tl['plain_ratio']:.2f} (best-of "
+                          f"{tl['plain_best_ratio']:.2f})."]
     ms_rows = [c for c in CASES if c.tool == "msprobe" and c.name in results]
     if ms_rows:
         lines += ["", f"msprobe, same workload and method ({meta.get('msprobe', '')}; its "
