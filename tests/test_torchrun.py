@@ -237,8 +237,6 @@ def test_a_filtered_out_process_still_reports_its_status(only_rank1):
     assert docs[1]["rounds_dumped"] == STEPS and docs[1]["files_written"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="c10d schemas do not mark their tensors as written, so at "
-                                       "filter_level 1 the output refers to the input's bytes")
 def test_all_reduce_kernel_output_holds_the_sum_at_filter_level_1(only_rank1):
     root, pids = only_rank1
     ops = row_parallel_dirs(root, f"1_{pids[1]}")

@@ -33,6 +33,9 @@ def kernel_info(func) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
         names = tuple(a.name for a in arguments)
         written = tuple(a.name for a in arguments
                         if a.alias_info is not None and a.alias_info.is_write)
+        if op_name.startswith("c10d."):
+            # Collectives fill their tensors in place without saying so in their schemas.
+            written = names
     except Exception:
         names, written = (), ()
     return op_name, kernel_name(op_name), names, written

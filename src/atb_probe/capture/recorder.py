@@ -108,11 +108,13 @@ class Recorder:
         if layer is None or not layer.written:
             return
         for name, value in pairs:
-            if name in written and isinstance(value, torch.Tensor):
-                key = same_bytes_key(value)
-                ptr = key[2] if key else None
-                for k in [k for k in layer.written if k[2] == ptr]:
-                    del layer.written[k]
+            if name not in written:
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                key = same_bytes_key(t) if isinstance(t, torch.Tensor) else None
+                if key is not None:
+                    for k in [k for k in layer.written if k[2] == key[2]]:
+                        del layer.written[k]
 
     # -- tensors ----------------------------------------------------------------------------
 
