@@ -103,7 +103,8 @@ def _plots(result) -> str:
     out = ["<h2>Error along execution order</h2>",
            "<p>Relative error of each output (log scale): ‖target − golden‖ / ‖golden‖, or the "
            "relative norm error in statistics mode. Bands are layer-level ops; red points cross "
-           "the thresholds; the ring marks the first divergence. Hover a point for its name.</p>"]
+           "the thresholds; the ring marks the first divergence; equal tensors lie on the bottom "
+           "line. Hover a point for its name.</p>"]
     for key in chosen:
         out.append(f"<h3>round {_e(key)}</h3>")
         out.append(_svg(rounds[key], f if f is not None and str(f.round_index) == key else None))
@@ -131,16 +132,20 @@ def _svg(rows: list[dict], finding) -> str:
 
     svg = [f"<svg viewBox='0 0 {width} {height}' width='100%' role='img' "
            f"xmlns='http://www.w3.org/2000/svg'>"]
-    # Layer bands, alternating, labelled when wide enough.
+    # Bands, alternating, labelled when wide enough: one per layer-level op, or per child of
+    # the layer when the round holds a single layer (a dump zoomed in with `ids`).
+    keys = [row["Layer"] for row in rows]
+    if len(set(keys)) == 1:
+        keys = ["/".join(row["Target Data Name"].split("/")[:2]) for row in rows]
     start, band = 0, 0
     for i in range(1, n + 1):
-        if i == n or rows[i]["Layer"] != rows[start]["Layer"]:
+        if i == n or keys[i] != keys[start]:
             x0, x1 = left + start * plot_w / n, left + i * plot_w / n
             shade = "#e9eef6" if band % 2 else "#f8f9fb"
             band += 1
-            label = rows[start]["Layer"]
+            label = keys[start].rsplit("/", 1)[-1]
             svg.append(f"<rect x='{x0:.1f}' y='{top}' width='{x1 - x0:.1f}' height='{plot_h}' "
-                       f"fill='{shade}'><title>{_e(label)}</title></rect>")
+                       f"fill='{shade}'><title>{_e(keys[start])}</title></rect>")
             if x1 - x0 > 7 * min(len(label), 24):
                 svg.append(f"<text x='{(x0 + x1) / 2:.1f}' y='{top - 8}' class='lbl' "
                            f"text-anchor='middle'>{_e(label[:24])}</text>")
@@ -149,7 +154,7 @@ def _svg(rows: list[dict], finding) -> str:
         yy = top + (_CEIL - lg) * plot_h / (_CEIL - _FLOOR)
         svg.append(f"<line x1='{left}' x2='{width - right}' y1='{yy:.1f}' y2='{yy:.1f}' "
                    f"class='grid'/><text x='{left - 6}' y='{yy + 4:.1f}' class='ax' "
-                   f"text-anchor='end'>1e{lg}</text>")
+                   f"text-anchor='end'>{'≤' if lg == _FLOOR else ''}1e{lg}</text>")
     svg.append(f"<text x='{left}' y='{height - 8}' class='ax'>execution order →</text>")
     for i, row in enumerate(rows):
         err = relative_error(row)
