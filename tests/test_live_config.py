@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -313,3 +314,25 @@ def test_every_round_is_dumped_under_one_config_while_threads_run_and_configs_fl
         else:
             assert all(r["Max"] != "N/A" and r["Tensor Path"] == "N/A" for r in rows)
     assert seen["0"] >= 15 and seen["3"] >= 15, seen
+
+
+def test_sigterm_while_threads_dump_flushes_and_reports_exited(program):
+    # The program has no SIGTERM handler of its own: the probe's flushes, then the process dies
+    # of SIGTERM as it would have.
+    program.write_config(ids="0")
+    program.wait_applied(ids="0")
+    program.send("spin 2 0")
+    wait_until(lambda: program.status()["rounds_dumped"] > 50, 10, "rounds being dumped")
+    program.proc.send_signal(signal.SIGTERM)
+    assert program.proc.wait(timeout=60) == -signal.SIGTERM
+    final = program.status()
+    assert final["exited"] is True and final["bytes_queued"] == 0, final
+    assert final["last_error"] is None
+    rounds = round_dirs(program.root)
+    assert len(rounds) >= 50
+    for index, folder in rounds.items():
+        rows = read_csv(folder / "statistic.csv")
+        assert all(r["Op Id"] == "0" and os.path.getsize(r["Tensor Path"]) > 0 for r in rows)
+    # Only the rounds running when the signal came may lack their output.
+    partial = [i for i, f in rounds.items() if len(read_csv(f / "statistic.csv")) != 2]
+    assert len(partial) <= 2, partial
