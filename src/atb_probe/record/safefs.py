@@ -46,6 +46,8 @@ class SafeTree:
         self._dirs: OrderedDict[str, int] = OrderedDict()
         self._max = max_open_dirs
         self._lock = threading.Lock()
+        self._closed = False  # after close(): directories are opened per use, not cached
+        self.stuck = False    # set when the disk stopped answering: fail fast, never block
         self.progress = None  # called with the byte count after each chunk written
 
     def path(self, rel: str) -> str:
@@ -65,7 +67,12 @@ class SafeTree:
         The caller closes it; the tree keeps its own cached descriptors private so that evicting
         one never pulls a descriptor from under a concurrent writer."""
         self.check_length(rel)
+        if self.stuck:
+            raise OSError(errno.ETIMEDOUT, "the disk stopped responding; not writing",
+                          self.path(rel))
         with self._lock:
+            if self._closed:
+                return self._open_uncached(rel)
             return os.dup(self._ensure_locked(rel))
 
     def makedirs(self, rel: str) -> None:
@@ -84,6 +91,16 @@ class SafeTree:
             parent = self._ensure_locked(parent_rel)
             fd = _open_child_dir(parent, name, self.path(rel))
         self._remember(rel, fd)
+        return fd
+
+    def _open_uncached(self, rel: str) -> int:
+        fd = self._open_root()
+        for name in rel.split("/") if rel else ():
+            try:
+                child = _open_child_dir(fd, name, self.path(rel))
+            finally:
+                os.close(fd)
+            fd = child
         return fd
 
     def _open_root(self) -> int:
@@ -199,13 +216,20 @@ class SafeTree:
         return st.f_bavail * st.f_frsize
 
     def close(self) -> None:
-        with self._lock:
+        """Close the cached directory descriptors; later writes open directories per use."""
+        if not self._lock.acquire(timeout=1):  # a writer stuck in the kernel holds it
+            self._closed = True
+            return
+        try:
+            self._closed = True
             for fd in self._dirs.values():
                 try:
                     os.close(fd)
                 except OSError:
                     pass
             self._dirs.clear()
+        finally:
+            self._lock.release()
 
 
 def check_name(name: str, where: str = "") -> None:

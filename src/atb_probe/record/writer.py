@@ -162,10 +162,18 @@ class Writer:
             return self.stats.bytes_queued
 
     def close(self, timeout: float | None = None) -> bool:
+        """Flush (at most `timeout` s) and stop the writer thread. When the disk did not take
+        everything in time, the tree is marked stuck: later writes fail at once instead of
+        blocking the exit behind a writer that is itself blocked in the kernel."""
         done = self.flush(timeout)
         with self._cond:
             self._closed = True
+            stuck = not done and self._busy
             self._cond.notify_all()
+        if stuck:
+            self.tree.stuck = True
+        else:
+            self.tree.close()
         return done
 
     def reset_after_fork(self) -> None:

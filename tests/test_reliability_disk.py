@@ -1,0 +1,368 @@
+"""Disk trouble (issue #6, SPEC §6) on real file systems this test mounts itself: a disk that
+fills up, the free-space rule, and write errors (ENOSPC, EIO, EROFS, EACCES) at any point of a
+dump. Each time the model finishes its run, the probe stops (or skips) with one clear message,
+and no partial `.bin` is left behind.
+
+Mounting needs root (CI runs as root); where it is not allowed the tests skip with the reason.
+EACCES cannot be provoked as root (root ignores permissions), so that test runs the dumping
+process as `nobody` through `setpriv`.
+"""
+from __future__ import annotations
+
+import csv
+import fcntl
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import atb_probe
+from atb_probe.binfile import read_header
+from atb_probe.record.safefs import SafeTree
+from atb_probe.record.writer import Writer
+from atb_probe.statcsv import COLUMNS
+
+from conftest import config, generate, tiny_llama
+
+FS_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32): every later access fails with EIO
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+class Mounted:
+    """A file system mounted for one test."""
+
+    def __init__(self, path: Path, source: str, fstype: str, options: str):
+        self.path, self.source, self.fstype, self.options = path, source, fstype, options
+
+    def mount(self) -> None:
+        done = _run("mount", "-t", self.fstype, "-o", self.options, self.source, str(self.path))
+        if done.returncode:
+            pytest.skip(f"cannot mount a {self.fstype} here: {done.stderr.strip()}")
+
+    def umount(self) -> None:
+        if _run("umount", str(self.path)).returncode:
+            _run("umount", "-l", str(self.path))  # never leave a mount behind
+
+    def remount(self) -> None:
+        done = _run("umount", str(self.path))
+        assert done.returncode == 0, f"still in use (a descriptor left open?): {done.stderr}"
+        self.mount()
+
+    def read_only(self) -> None:
+        done = _run("mount", "-o", "remount,ro", str(self.path))
+        assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture
+def mount_fs(tmp_path):
+    """`mount_fs("tmpfs", "size=8m")` or `mount_fs("ext4", size_mb=64)`: a fresh mount."""
+    mounts: list[Mounted] = []
+
+    def make(fstype: str = "tmpfs", options: str = "size=8m", size_mb: int = 64) -> Mounted:
+        path = tmp_path / f"mnt{len(mounts)}"
+        path.mkdir()
+        if fstype == "tmpfs":
+            fs = Mounted(path, "tmpfs", "tmpfs", options)
+        else:
+            if shutil.which("mkfs.ext4") is None:
+                pytest.skip("mkfs.ext4 is not installed")
+            image = tmp_path / f"disk{len(mounts)}.img"
+            with open(image, "wb") as f:
+                f.truncate(size_mb * 1024 * 1024)
+            done = _run("mkfs.ext4", "-q", "-F", str(image))
+            if done.returncode:
+                pytest.skip(f"mkfs.ext4 failed: {done.stderr.strip()}")
+            fs = Mounted(path, str(image), "ext4", "loop")
+        fs.mount()
+        mounts.append(fs)
+        return fs
+
+    yield make
+    for fs in mounts:
+        fs.umount()
+
+
+def bins(root: Path) -> list[Path]:
+    return [Path(d) / n for d, _, files in os.walk(root) for n in files if n.endswith(".bin")]
+
+
+def check_dump(root: Path, temp_files_allowed: bool = False) -> list[dict]:
+    """Every .bin parses and holds exactly what its header says; every csv line is whole and
+    names a file that is there (or N/A). Returns the csv rows."""
+    rows = []
+    for d, _, files in os.walk(root):
+        for name in files:
+            path = Path(d) / name
+            if name.endswith(".tmp"):
+                assert temp_files_allowed, f"temporary file left behind: {path}"
+                continue
+            assert not name.startswith("."), path
+            if name.endswith(".bin"):
+                header = read_header(path)  # raises on a partial file
+                assert header.payload_offset + header.nbytes == path.stat().st_size
+            if name == "statistic.csv":
+                with open(path, newline="") as f:
+                    lines = f.read().split("\n")
+                assert lines[-1] == "", f"{path} ends in a partial line"
+                table = list(csv.reader(lines[:-1]))
+                assert table[0] == list(COLUMNS)
+                assert all(len(r) == len(COLUMNS) for r in table[1:]), path
+                rows += [dict(zip(COLUMNS, r)) for r in table[1:]]
+    for r in rows:
+        if r["Tensor Path"] != "N/A":
+            assert Path(r["Tensor Path"]).is_file(), r["Tensor Path"]
+    return rows
+
+
+def probe_lines(err: str, level: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith(f"[atb-probe] {level}")]
+
+
+def dump_while(out: Path, fault=None, min_bins: int = 30, new_tokens: int = 3):
+    """Generate with a tiny Llama while dumping everything under `out`; call `fault()` once at
+    least `min_bins` files are on disk. Returns (whether the output is right, whether `fault`
+    ran)."""
+    model = tiny_llama()
+    expected = generate(model, new_tokens=new_tokens)
+    fired = threading.Event()
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            if len(bins(out)) >= min_bins:
+                fault()
+                fired.set()
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    atb_probe.enable(str(out), config(save_child=True))
+    if fault is not None:
+        watcher.start()
+    try:
+        got = generate(model, new_tokens=new_tokens)
+    finally:
+        atb_probe.disable(timeout=60)
+        stop.set()
+        if fault is not None:
+            watcher.join(10)
+    return torch.equal(got, expected), fired.is_set()
+
+
+# -- disk full ------------------------------------------------------------------------------
+
+
+def test_disk_full_stops_the_dump_with_one_error_and_the_model_finishes(mount_fs, monkeypatch,
+                                                                       capfd):
+    """ENOSPC for real: the tmpfs runs out of inodes long before the dump is done."""
+    monkeypatch.setenv("ATB_PROBE_MIN_FREE_BYTES", "0")
+    fs = mount_fs("tmpfs", "size=64m,nr_inodes=300")
+    same, _ = dump_while(fs.path)
+    assert same
+    err = capfd.readouterr().err
+    errors = probe_lines(err, "ERROR")
+    assert len(errors) == 1 and "disk full" in errors[0] and "dumping stopped" in errors[0], err
+    assert "Traceback" not in err
+    root = fs.path / "atb_dump_data"
+    assert bins(root)  # it did dump until the disk was full
+    check_dump(root)
+
+
+def test_disk_filled_by_another_writer_at_any_point_is_handled(mount_fs, monkeypatch, capfd):
+    """Another process fills the disk while the probe writes: the probe either skips files by
+    the free-space rule or stops on ENOSPC, with one message either way."""
+    monkeypatch.setenv("ATB_PROBE_MIN_FREE_BYTES", "0")
+    fs = mount_fs("tmpfs", "size=16m")
+
+    def fill():
+        with open(fs.path / "ballast", "wb") as f:
+            block = b"\xff" * 65536
+            try:
+                while True:
+                    f.write(block)
+                    f.flush()
+            except OSError:
+                pass
+
+    same, fired = dump_while(fs.path, fill)
+    assert same and fired
+    err = capfd.readouterr().err
+    messages = probe_lines(err, "ERROR") + [w for w in probe_lines(err, "WARNING")
+                                            if "free" in w]
+    assert 1 <= len(messages) <= 2, err  # a skip warning, and perhaps ENOSPC on a later file
+    assert len(probe_lines(err, "ERROR")) <= 1
+    (fs.path / "ballast").unlink()
+    check_dump(fs.path / "atb_dump_data")
+
+
+def test_write_that_hits_a_full_disk_leaves_no_partial_file(mount_fs, capfd):
+    """A file system that says it has room and then has none (quotas, thin provisioning, a
+    shared disk): the file write fails half-way, and nothing of it stays."""
+    fs = mount_fs("tmpfs", "size=4m")
+    tree = SafeTree(str(fs.path / "atb_dump_data"))
+    writer = Writer(tree, min_free=-(1 << 50))  # trust the disk blindly, as such systems lie
+    payload = bytes(3 * 1024 * 1024)
+    for i in range(3):
+        writer.put_file("data/0_1/0/0_Op/after", f"outtensor{i}.bin",
+                        [b"header\n", payload], len(payload))
+        writer.put_rows("data/0_1/0", "statistic.csv",
+                        f"row,{tree.root}/data/0_1/0/0_Op/after/outtensor{i}.bin\n", "h,path\n")
+    assert writer.close(timeout=30)
+    errors = probe_lines(capfd.readouterr().err, "ERROR")
+    assert len(errors) == 1 and "disk full while writing" in errors[0]
+    assert writer.failed and writer.pending() == 0
+    names = sorted(os.listdir(fs.path / "atb_dump_data/data/0_1/0/0_Op/after"))
+    assert names == ["outtensor0.bin"]  # the second did not fit; no temporary file remains
+    assert (fs.path / "atb_dump_data/data/0_1/0/0_Op/after/outtensor0.bin").stat().st_size == \
+        len(payload) + 7
+    csv_text = (fs.path / "atb_dump_data/data/0_1/0/statistic.csv").read_text()
+    assert csv_text.splitlines() == ["h,path", f"row,{tree.root}/data/0_1/0/0_Op/after/"
+                                                "outtensor0.bin"]
+
+
+def test_free_space_rule_with_the_default_reserve_skips_every_file_with_one_warning(
+        mount_fs, monkeypatch, capfd):
+    """SPEC §6: 2 GiB must stay free; an 8 MiB disk never has that."""
+    monkeypatch.delenv("ATB_PROBE_MIN_FREE_BYTES", raising=False)
+    fs = mount_fs("tmpfs", "size=8m")
+    same, _ = dump_while(fs.path)
+    assert same
+    err = capfd.readouterr().err
+    warnings = [w for w in probe_lines(err, "WARNING") if "free" in w]
+    assert len(warnings) == 1 and "2.00 GiB" in warnings[0], err
+    assert probe_lines(err, "ERROR") == []
+    root = fs.path / "atb_dump_data"
+    assert bins(root) == []
+    rows = check_dump(root)
+    assert rows and all(r["Tensor Path"] == "N/A" for r in rows)  # no row names a missing file
+    status = next((root / "status").iterdir()).read_text()
+    assert "free" in status  # the status file tells why
+
+
+def test_free_space_reserve_can_be_lowered_for_small_disks(mount_fs, monkeypatch, capfd):
+    monkeypatch.setenv("ATB_PROBE_MIN_FREE_BYTES", str(1024 * 1024))
+    fs = mount_fs("tmpfs", "size=32m")
+    same, _ = dump_while(fs.path, new_tokens=1)
+    assert same
+    err = capfd.readouterr().err
+    assert probe_lines(err, "WARNING") == [] and probe_lines(err, "ERROR") == [], err
+    rows = check_dump(fs.path / "atb_dump_data")
+    assert rows and all(r["Tensor Path"] != "N/A" for r in rows)
+
+
+# -- write errors at any point --------------------------------------------------------------
+
+
+def test_io_error_mid_dump_stops_it_with_one_error(mount_fs, monkeypatch, capfd):
+    """EIO for real: the ext4 file system is shut down (as a failing disk would be) while the
+    writer is busy."""
+    monkeypatch.setenv("ATB_PROBE_MIN_FREE_BYTES", "0")
+    fs = mount_fs("ext4", size_mb=96)
+
+    def shutdown():
+        fd = os.open(fs.path, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, FS_IOC_SHUTDOWN, struct.pack("I", 0))  # flush, then fail everything
+        except OSError as exc:
+            pytest.skip(f"cannot shut down an ext4 file system here: {exc}")
+        finally:
+            os.close(fd)
+
+    same, fired = dump_while(fs.path, shutdown)
+    assert same and fired
+    err = capfd.readouterr().err
+    errors = probe_lines(err, "ERROR")
+    assert len(errors) == 1 and "I/O error" in errors[0], err
+    assert "Traceback" not in err
+    fs.remount()  # what was on disk before the failure, as the next reader sees it
+    root = fs.path / "atb_dump_data"
+    assert bins(root)
+    check_dump(root, temp_files_allowed=True)  # a dead disk cannot unlink its temporary files
+
+
+def test_file_system_turning_read_only_mid_dump_stops_it_with_one_error(mount_fs, monkeypatch,
+                                                                       capfd):
+    monkeypatch.setenv("ATB_PROBE_MIN_FREE_BYTES", "0")
+    fs = mount_fs("tmpfs", "size=64m")
+    same, fired = dump_while(fs.path, fs.read_only)
+    assert same and fired
+    err = capfd.readouterr().err
+    errors = probe_lines(err, "ERROR")
+    assert len(errors) == 1 and "read-only file system" in errors[0], err
+    check_dump(fs.path / "atb_dump_data", temp_files_allowed=True)
+
+
+EACCES_SCRIPT = """
+import os, sys, time
+import torch
+import atb_probe
+out, stop = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+atb_probe.enable(out, {"task": "all", "dump_enable": True, "exec_range": "all", "ids": "",
+                       "op_name": "", "save_child": True, "device": "", "filter_level": 0})
+x = torch.ones(8, 64)
+rounds = 0
+with torch.no_grad():
+    while not os.path.exists(stop) and rounds < 2000:
+        y = model(x)
+        rounds += 1
+print("OK", rounds, float(y.sum()), flush=True)
+"""
+
+
+def test_permission_denied_mid_dump_stops_it_with_one_error(tmp_path):
+    """EACCES for real: the dumping process runs as `nobody`, and its round folders lose their
+    write permission while it dumps."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to run the dump as an unprivileged user")
+    base = Path(tempfile.mkdtemp(prefix="atb-eacces-"))  # traversable by nobody
+    try:
+        base.chmod(0o755)
+        out = base / "out"
+        out.mkdir()
+        os.chown(out, 65534, 65534)
+        script = base / "script.py"
+        script.write_text(textwrap.dedent(EACCES_SCRIPT))
+        stop = base / "stop"
+        src = str(Path(atb_probe.__file__).parents[1])
+        env = {**os.environ, "PYTHONPATH": src, "HOME": str(base),
+               "ATB_PROBE_MIN_FREE_BYTES": "0"}
+        proc = subprocess.Popen([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups",
+                                 sys.executable, str(script), str(out), str(stop)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while len(bins(out)) < 30:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.01)
+            data = out / "atb_dump_data" / "data"
+            for d, dirs, _ in os.walk(data):
+                os.chmod(d, 0o555)
+            time.sleep(1.0)
+            stop.touch()
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0 and stdout.startswith("OK"), stderr
+        errors = probe_lines(stderr, "ERROR")
+        assert len(errors) == 1 and "permission denied" in errors[0], stderr
+        assert "Traceback" not in stderr
+        check_dump(out / "atb_dump_data", temp_files_allowed=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
