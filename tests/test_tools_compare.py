@@ -6,7 +6,6 @@ import math
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ statistic.csv whose Tensor Paths point at the machine the dump was made on, not 
 from __future__ import annotations
 
 import csv
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,6 @@ from atb_probe.tools.parse import parse_path
 
 HEADER = ("Device and PID,Execution Count,Op Name,Op Type,Op Id,Input/Output,Index,Dtype,Format,"
           "Shape,Max,Min,Mean,Norm,Tensor Path")
-CODES = {"float16": 1, "int64": 9, "bf16": 27}
 
 
 def bin_bytes(array: np.ndarray, code: int) -> bytes:

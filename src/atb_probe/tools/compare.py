@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..statcsv import NA
+from . import extras
 from .align import Alignment, Unmatched, align_dumps
 from .divergence import Finding, Thresholds, crosses, first_divergence
 from .dumpreader import DumpError, NoData, TensorRecord, open_dump
@@ -40,6 +41,7 @@ RESULT_CSV = "atb_compare_result.csv"
 RESULT_XLSX = "atb_compare_result.xlsx"
 REPORT_HTML = "atb_compare_report.html"
 MODES = ("auto", "tensor", "statistics")
+XLSX_MAX_ROWS = 1_048_576  # Excel's sheet limit, header included
 
 
 class CompareError(Exception):
@@ -242,7 +244,10 @@ def write_outputs(result: CompareResult, out: str, xlsx: bool = True,
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, RESULT_CSV)]
     write_csv(result, paths[0])
-    if xlsx:
+    if xlsx and len(result.rows) >= XLSX_MAX_ROWS:
+        print(f"atb-probe compare: {len(result.rows)} rows do not fit in an .xlsx sheet; "
+              f"skipped it (the CSV has them all)", file=sys.stderr)
+    elif xlsx:
         paths.append(os.path.join(out, RESULT_XLSX))
         write_xlsx(result, paths[-1])
     if html:
@@ -286,6 +291,9 @@ def register(sub) -> None:
 
 
 def _compare(args) -> int:
+    needed = ("rich",) if args.no_xlsx else ("rich", "pandas", "openpyxl")
+    if not extras.require("compare", *needed):
+        return 2
     from rich.console import Console
     err = Console(stderr=True)
     thresholds = Thresholds(args.min_cosine, args.min_ratio, args.max_norm_err)

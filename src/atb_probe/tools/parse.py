@@ -13,6 +13,7 @@ import os
 import sys
 
 from ..binfile import BinFormatError
+from . import extras
 from .reader import HeaderOnlyError, load_numpy, load_tensor
 
 
@@ -97,6 +98,8 @@ def _parse(args) -> int:
     if os.path.isdir(path) and not bin_files(path):
         print(f"atb-probe parse: no .bin file below {args.path} (was it dumped with "
               "task=statistics? then statistic.csv holds everything there is)", file=sys.stderr)
+        return 2
+    if not extras.require("parse", "rich"):
         return 2
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress

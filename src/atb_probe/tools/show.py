@@ -12,10 +12,9 @@ import csv
 import os
 import sys
 
-from rich.markup import escape
-
 from ..statcsv import COLUMNS
 from .align import OpNode, build_tree as op_tree
+from . import extras
 from .dumpreader import DumpError, Round, open_dump
 
 
@@ -56,6 +55,7 @@ def merge_csv(dump, out) -> int:
 
 def build_tree(dump, depth: int):
     """The rich Tree of a dump."""
+    from rich.markup import escape
     from rich.tree import Tree
     total_rounds = len(dump.rounds)
     tree = Tree(f"[bold]{escape(dump.path)}[/]  ({len(dump.processes)} process(es), "
@@ -74,6 +74,7 @@ def build_tree(dump, depth: int):
 
 
 def _add_round(parent, rnd: Round, depth: int) -> None:
+    from rich.markup import escape
     files, size = _sum(rnd.tensors)
     source = "statistic.csv" if os.path.isfile(rnd.csv_path) else "no statistic.csv: folders"
     rnode = parent.add(f"round [bold]{rnd.index}[/]  task={rnd.task}  {files} tensors, "
@@ -84,6 +85,7 @@ def _add_round(parent, rnd: Round, depth: int) -> None:
 
 def _add_op(parent, node: OpNode, level: int, depth: int) -> None:
     """One op with the totals of its subtree; its children while `level < depth`."""
+    from rich.markup import escape
     tensors = list(_subtree_tensors(node))
     files, size = _sum(tensors)
     label = f"{escape(node.own_id)}_{escape(node.name)}  {files} tensors, {_size(size)}"
@@ -121,6 +123,8 @@ def _size(n: int) -> str:
 
 
 def _show(args) -> int:
+    if not extras.require("show", "rich"):
+        return 2
     try:
         dump = open_dump(args.dump)
     except DumpError as exc:
