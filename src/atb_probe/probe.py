@@ -65,6 +65,7 @@ class Probe:
         self.woken = False
         self.engine = None
         self.started_at = _now()
+        self.proc_start = _proc_start(self.pid)
         self.last_error: str | None = None
         self._fixed_config = config
         self._rounds = itertools.count()
@@ -171,8 +172,12 @@ class Probe:
         try:
             text = read_config_file(path)
         except (ConfigFileError, OSError) as exc:
+            message = f"{exc}; keeping the last good configuration"
+            if sig == self._file_sig and message == self.config_problem:
+                self._warn_pending()
+                return
             self._file_sig, self._file_text = sig, None
-            self._invalid(f"{exc}; keeping the last good configuration")
+            self._invalid(message)
             return
         if text is None:  # removed between the stat and the read
             self._file_sig, self._file_text, self._pending_problem = None, None, None
@@ -189,6 +194,9 @@ class Probe:
         self._pending_problem = self.config_problem = None
         for w in warnings:
             log.warn(f"config {path}: {w}")
+        if config == self.config and self.config_applied_at is not None:
+            self._kick.set()  # the same configuration saved again: nothing to apply
+            return
         self._apply(config)
 
     def _gone(self, path: str) -> None:
@@ -307,7 +315,7 @@ class Probe:
             "config_problem": self.config_problem,
             "output": self.output,
             "started_at": self.started_at,
-            "proc_start": _proc_start(self.pid),
+            "proc_start": self.proc_start,
         }
 
     def write_status(self, final: bool = False) -> None:
@@ -349,6 +357,7 @@ class Probe:
         self.rounds_dumped = 0
         self.rounds_started = 0
         self.started_at = _now()
+        self.proc_start = _proc_start(self.pid)
         self._rounds = itertools.count()
         self._lock = threading.Lock()
         self._stop = threading.Event()
