@@ -267,8 +267,7 @@ def register(sub) -> None:
                     "<dev>_<pid> folders or round folders), write a CSV, an .xlsx and an HTML "
                     "report, and name the first operator whose output diverges while its "
                     "inputs do not.",
-        epilog="example: atb-probe compare fp32/atb_dump_data bf16/atb_dump_data -o cmp "
-               "--min-ratio 0")
+        epilog="example: atb-probe compare fp32 bf16 -o cmp --min-ratio 0")
     p.add_argument("golden", help="the reference dump")
     p.add_argument("target", help="the dump to check")
     p.add_argument("-o", "--output", default="compare_output",

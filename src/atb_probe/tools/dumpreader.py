@@ -91,7 +91,8 @@ class TensorRecord:
 
     def _read(self, loader):
         if self.path is None:
-            raise NoData("no .bin file (the round was dumped with task=statistics)")
+            raise NoData("no .bin file (Tensor Path is N/A: task=statistics, or a file the "
+                         "probe could not write)")
         try:
             return loader(self.path)
         except HeaderOnlyError:
