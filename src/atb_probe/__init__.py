@@ -8,14 +8,15 @@ probe when it imports torch. For notebooks and tests::
     model(...)
     atb_probe.disable()                                     # flushes everything to disk
 
-`atb_probe.load(path)` reads one `.bin` file back as a torch tensor.
+`atb_probe.load(path)` reads one `.bin` file back as a torch tensor; `atb_probe.open_dump(path)`
+walks a whole dump.
 """
 from __future__ import annotations
 
 import os
 
 __version__ = "0.1.0"
-__all__ = ["enable", "disable", "active", "load", "__version__"]
+__all__ = ["enable", "disable", "active", "load", "open_dump", "__version__"]
 
 _probe = None
 _suppressed = False  # set by the CLI: our own tools never dump themselves
@@ -55,6 +56,13 @@ def load(path):
     """A `.bin` file (data, reference or header-only) as a torch tensor."""
     from .tools.reader import load_tensor
     return load_tensor(path)
+
+
+def open_dump(path):
+    """A dump (its root, a `<dev>_<pid>` folder or a round) to walk: processes, rounds, ops,
+    tensors with their statistic.csv rows."""
+    from .tools.dumpreader import open_dump as _open
+    return _open(path)
 
 
 def _attach_from_env() -> None:
