@@ -126,7 +126,12 @@ class Probe:
             self.last_error = (f"exit timeout: {self.writer.pending()} bytes still queued were "
                                "not written")
             log.error(self.last_error)
-        self.write_status(final=True)
+        # A status write blocked on the same stuck disk holds the lock: do not wait for it.
+        if self._status_lock.acquire(timeout=2):
+            try:
+                self.write_status(final=True)
+            finally:
+                self._status_lock.release()
         return done
 
     # -- configuration ----------------------------------------------------------------------
