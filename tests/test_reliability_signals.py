@@ -1,0 +1,186 @@
+"""Killed and stopped processes (issue #6): real processes loaded through the load script, real
+signals. SIGKILL in the middle of a heavy dump leaves only complete `.bin` files and whole
+statistic.csv lines; SIGTERM, SIGINT and a normal exit first write what is queued; and a disk
+that stops answering cannot hang the model or its exit longer than the timeouts."""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS, config
+from test_reliability_disk import bins, check_dump, mount_fs, probe_lines  # noqa: F401
+
+FIFREEZE, FITHAW = 0xC0045877, 0xC0045878
+
+# A model whose rounds write a few MB each (save_child: kernel inputs include the weights).
+HEAVY = """
+import atexit, os, signal, sys, time
+atexit.register(lambda: print("EXIT-DONE", flush=True))  # runs after the probe's own exit work
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+class Model(nn.Module):
+    def __init__(self, h=128, n=4):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(h) for _ in range(n))
+        self.head = nn.Linear(h, h)
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+torch.manual_seed(0)
+model = Model().eval()
+x = torch.randn(32, 128)
+rounds, ending = int(sys.argv[1]), sys.argv[2]
+with torch.no_grad():
+    for i in range(rounds):
+        y = model(x)
+        print("ROUND", i, flush=True)
+import atb_probe
+print("PENDING", atb_probe.active().writer.pending(), flush=True)
+if ending == "sigterm":
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+elif ending == "sigint":
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(60)
+print("MODEL-DONE", float(y.sum()), flush=True)
+"""
+
+
+def start(tmp: Path, out: Path, rounds: int, ending: str, cfg: dict, **env) -> subprocess.Popen:
+    """`source load_atb_probe.sh`, then run the heavy model as the shell's own process."""
+    script = tmp / "heavy.py"
+    script.write_text(textwrap.dedent(HEAVY))
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={out} --config={tmp / "config.json"}'
+           f' && exec "{sys.executable}" "{script}" {rounds} {ending}')
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
+    full_env.update({"ATB_PROBE_MIN_FREE_BYTES": "0", **env})
+    return subprocess.Popen(["bash", "-c", cmd], cwd=tmp, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for_bins(proc: subprocess.Popen, root: Path, count: int, limit: float = 90) -> None:
+    deadline = time.monotonic() + limit
+    while len(bins(root)) < count:
+        if proc.poll() is not None:
+            pytest.fail(f"the process ended first: {proc.stderr.read()}")
+        assert time.monotonic() < deadline, "the dump did not start"
+        time.sleep(0.005)
+
+
+def status_of(root: Path) -> dict:
+    files = list((root / "status").iterdir())
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+DUMP_ALL = config(save_child=True, filter_level=0, task="all")
+
+
+@pytest.mark.parametrize("after_bins", [40, 400])
+def test_sigkill_mid_dump_leaves_only_complete_files_and_whole_lines(tmp_path, after_bins):
+    out = tmp_path / "out"
+    proc = start(tmp_path, out, 400, "exit", DUMP_ALL)
+    try:
+        wait_for_bins(proc, out, after_bins)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    root = out / "atb_dump_data"
+    assert len(bins(root)) >= after_bins
+    rows = check_dump(root, temp_files_allowed=True)  # a kill may leave hidden .tmp files
+    assert rows
+
+
+@pytest.mark.parametrize("ending,returncode", [
+    ("exit", 0), ("sigterm", -signal.SIGTERM), ("sigint", -signal.SIGINT)])
+def test_exit_and_stop_signals_write_everything_queued_first(tmp_path, ending, returncode):
+    out = tmp_path / "out"
+    rounds = 4
+    proc = start(tmp_path, out, rounds, ending, DUMP_ALL)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == returncode, stderr
+    pending = int(stdout.split("PENDING ")[1].split()[0])
+    assert pending > 0  # there was something left to write when the program ended
+    root = out / "atb_dump_data"
+    rows = check_dump(root)
+    per_round = {}
+    for r in rows:
+        per_round[r["Execution Count"]] = per_round.get(r["Execution Count"], 0) + 1
+    assert sorted(per_round) == [str(i) for i in range(rounds)]
+    assert len(set(per_round.values())) == 1  # the last round is as complete as the first
+    assert all(r["Tensor Path"] != "N/A" for r in rows)
+    status = status_of(root)
+    assert status["bytes_queued"] == 0 and status["exited"] is True
+    assert "Traceback" not in stderr or ending == "sigint"
+    assert probe_lines(stderr, "ERROR") == []
+
+
+def test_stuck_disk_cannot_hang_the_model_or_its_exit(tmp_path, mount_fs):
+    """The file system is frozen (every write blocks) in the middle of a dump: the model runs
+    to its end once the queue stops moving (ATB_PROBE_STALL_TIMEOUT), and the exit flush gives
+    up after ATB_PROBE_EXIT_TIMEOUT. (The kernel itself does not reap a process whose thread is
+    inside a frozen file system until it thaws; what is bounded is the program's own run.)"""
+    fs = mount_fs("ext4", size_mb=160)
+    out = fs.path / "out"
+    proc = start(tmp_path, out, 60, "exit", DUMP_ALL,
+                 ATB_PROBE_STALL_TIMEOUT="2", ATB_PROBE_EXIT_TIMEOUT="2")
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), line))
+                                              for line in proc.stdout], daemon=True)
+    reader.start()
+    fd = os.open(fs.path, os.O_RDONLY)
+    frozen = False
+    try:
+        wait_for_bins(proc, out, 40)
+        try:
+            fcntl.ioctl(fd, FIFREEZE, 0)
+        except OSError as exc:
+            pytest.skip(f"cannot freeze a file system here: {exc}")
+        frozen_at, frozen = time.monotonic(), True
+        deadline = frozen_at + 60
+        while not any(line.startswith("EXIT-DONE") for _, line in lines):
+            assert time.monotonic() < deadline, f"no exit while the disk is stuck: {lines[-3:]}"
+            time.sleep(0.05)
+        done_at = next(t for t, line in lines if line.startswith("MODEL-DONE"))
+        exit_at = next(t for t, line in lines if line.startswith("EXIT-DONE"))
+        assert exit_at - done_at < 2 + 5  # the exit timeout, and a little
+    finally:
+        if frozen:
+            fcntl.ioctl(fd, FITHAW, 0)
+        os.close(fd)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    stderr = proc.stderr.read()
+    assert proc.returncode == 0, stderr
+    stalls = [e for e in probe_lines(stderr, "ERROR") if "took nothing" in e]
+    assert len(stalls) == 1, stderr
+    assert "Traceback" not in stderr
+    check_dump(out / "atb_dump_data", temp_files_allowed=True)
