@@ -330,9 +330,12 @@ def test_sigterm_while_threads_dump_flushes_and_reports_exited(program):
     assert final["last_error"] is None
     rounds = round_dirs(program.root)
     assert len(rounds) >= 50
+    partial = []
     for index, folder in rounds.items():
-        rows = read_csv(folder / "statistic.csv")
+        csv_path = folder / "statistic.csv"
+        rows = read_csv(csv_path) if csv_path.exists() else []
         assert all(r["Op Id"] == "0" and os.path.getsize(r["Tensor Path"]) > 0 for r in rows)
-    # Only the rounds running when the signal came may lack their output.
-    partial = [i for i, f in rounds.items() if len(read_csv(f / "statistic.csv")) != 2]
+        if len(rows) != 2:
+            partial.append(index)
+    # Only the rounds running when the signal came (one per thread) may be incomplete.
     assert len(partial) <= 2, partial
