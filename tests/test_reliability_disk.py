@@ -40,6 +40,13 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
+def _fd_target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
 class Mounted:
     """A file system mounted for one test."""
 
@@ -56,8 +63,15 @@ class Mounted:
             _run("umount", "-l", str(self.path))  # never leave a mount behind
 
     def remount(self) -> None:
-        done = _run("umount", str(self.path))
-        assert done.returncode == 0, f"still in use (a descriptor left open?): {done.stderr}"
+        for _ in range(50):  # a descriptor closed a moment ago may still be on its way out
+            done = _run("umount", str(self.path))
+            if done.returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            held = [p for p in map(_fd_target, os.listdir("/proc/self/fd"))
+                    if p.startswith(str(self.path))]
+            pytest.fail(f"{self.path} still in use: {done.stderr.strip()}; held here: {held}")
         self.mount()
 
     def read_only(self) -> None:
@@ -66,19 +80,23 @@ class Mounted:
 
 
 @pytest.fixture
-def mount_fs(tmp_path):
-    """`mount_fs("tmpfs", "size=8m")` or `mount_fs("ext4", size_mb=64)`: a fresh mount."""
+def mount_fs():
+    """`mount_fs("tmpfs", "size=8m")` or `mount_fs("ext4", size_mb=64)`: a fresh mount.
+
+    Mounted outside pytest's own temporary tree, whose clean-up (by any later pytest run on the
+    machine) must never walk into, or be blocked by, a mounted file system."""
+    base = Path(tempfile.mkdtemp(prefix="atb-probe-mounts-"))
     mounts: list[Mounted] = []
 
     def make(fstype: str = "tmpfs", options: str = "size=8m", size_mb: int = 64) -> Mounted:
-        path = tmp_path / f"mnt{len(mounts)}"
+        path = base / f"mnt{len(mounts)}"
         path.mkdir()
         if fstype == "tmpfs":
             fs = Mounted(path, "tmpfs", "tmpfs", options)
         else:
             if shutil.which("mkfs.ext4") is None:
                 pytest.skip("mkfs.ext4 is not installed")
-            image = tmp_path / f"disk{len(mounts)}.img"
+            image = base / f"disk{len(mounts)}.img"
             with open(image, "wb") as f:
                 f.truncate(size_mb * 1024 * 1024)
             done = _run("mkfs.ext4", "-q", "-F", str(image))
@@ -89,9 +107,12 @@ def mount_fs(tmp_path):
         mounts.append(fs)
         return fs
 
-    yield make
-    for fs in mounts:
-        fs.umount()
+    try:
+        yield make
+    finally:
+        for fs in mounts:
+            fs.umount()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def bins(root: Path) -> list[Path]:
@@ -323,7 +344,7 @@ print("OK", rounds, float(y.sum()), flush=True)
 """
 
 
-def test_permission_denied_mid_dump_stops_it_with_one_error(tmp_path):
+def test_permission_denied_mid_dump_stops_it_with_one_error():
     """EACCES for real: the dumping process runs as `nobody`, and its round folders lose their
     write permission while it dumps."""
     setpriv = shutil.which("setpriv")
