@@ -253,6 +253,19 @@ def test_write_that_hits_a_full_disk_leaves_no_partial_file(mount_fs, capfd):
                                                 "outtensor0.bin"]
 
 
+def test_back_pressure_after_a_long_idle_time_is_not_taken_for_a_stuck_disk(tmp_path, capfd):
+    tree = SafeTree(str(tmp_path / "atb_dump_data"))
+    writer = Writer(tree, queue_bytes=1 << 20, min_free=0, stall_seconds=0.3)
+    writer.put_json("info", "first.json", {})
+    assert writer.flush(10)
+    time.sleep(0.6)  # idle for longer than the stall timeout
+    for i in range(40):  # 8 MB through a 1 MB queue: producers wait for the disk
+        writer.put_file("d", f"{i}.bin", [bytes(200_000)], 200_000)
+    assert writer.close(30)
+    assert not writer.failed and len(os.listdir(tmp_path / "atb_dump_data" / "d")) == 40
+    assert probe_lines(capfd.readouterr().err, "ERROR") == []
+
+
 def test_free_space_rule_with_the_default_reserve_skips_every_file_with_one_warning(
         mount_fs, monkeypatch, capfd):
     """SPEC §6: 2 GiB must stay free; an 8 MiB disk never has that."""

@@ -135,6 +135,8 @@ class Writer:
                     self._urgent -= 1
             if self.failed:
                 return
+            if not self._jobs and not self._busy:
+                self._last_progress = time.monotonic()  # the writer was idle, not stalled
             self._jobs.append((job, size))
             self.stats.bytes_queued += size
             self._cond.notify_all()
@@ -206,6 +208,8 @@ class Writer:
                         wait = None
                     self._cond.wait(wait)
                 self._busy = True
+                self._last_progress = time.monotonic()  # idle time is not a stall
+            self.tree.progress = self._progress  # the tree may have been replaced (fork)
             kept = 0
             try:
                 if job is None:
