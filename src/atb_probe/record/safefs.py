@@ -157,7 +157,10 @@ class SafeTree:
 
     def _replace(self, dfd: int, name: str, fill, shown: str) -> int:
         tmp = _temp_name(name)
-        fd = os.open(tmp, _NEW_FILE_FLAGS, FILE_MODE, dir_fd=dfd)
+        try:
+            fd = os.open(tmp, _NEW_FILE_FLAGS, FILE_MODE, dir_fd=dfd)
+        except OSError as exc:  # name the file the caller asked for, not our temporary one
+            raise OSError(exc.errno, exc.strerror, shown) from None
         try:
             os.fchmod(fd, FILE_MODE)
             total = fill(fd)
@@ -170,13 +173,16 @@ class SafeTree:
                     raise
                 raise UnsafePathError(exc.errno, "a directory is in the way of a file",
                                       shown) from None
-        except BaseException:
+        except BaseException as exc:
             if fd >= 0:
                 os.close(fd)
             try:
                 os.unlink(tmp, dir_fd=dfd)
             except OSError:
                 pass
+            if type(exc) is not UnsafePathError and isinstance(exc, OSError) and \
+                    exc.filename in (None, tmp):
+                raise OSError(exc.errno, exc.strerror, shown) from None
             raise
         return total
 
