@@ -263,12 +263,12 @@ def _unprivileged() -> list[str]:
 
 
 def test_file_without_read_permission_is_refused_with_a_warning(tmp_path):
-    """Root reads anything, so the reading process drops to `nobody` (uid 65534)."""
+    """Root reads anything, so as root the reading process drops to `nobody` (uid 65534)."""
     drop = _unprivileged()
     tmp_path.chmod(0o755)
     path = tmp_path / "config.json"
     path.write_text(FULL)
-    path.chmod(0o600)
+    path.chmod(0o600 if drop else 0o000)  # not root: its own file, with no read permission
     code = ("import sys\nfrom atb_probe.config import read_config_file, ConfigFileError\n"
             "try:\n    read_config_file(sys.argv[1])\n"
             "except ConfigFileError as exc:\n    print('REFUSED', exc)\n")
