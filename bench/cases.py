@@ -68,6 +68,9 @@ CASES = [
          _atb(dump_enable=False), Goal("ratio", 1.01)),
     Case("awake-none", "atb-probe", 'dump_enable true, exec_range "none"',
          _atb(exec_range="none"), Goal("ratio", 1.03)),
+    Case("track-only", "atb-probe",
+         "op_name matching nothing: every module and kernel tracked, nothing written",
+         _atb(task="statistics", op_name="no_such_op")),
     Case("stat-layer", "atb-probe", "statistics, layer-level ops",
          _atb(task="statistics"), Goal("ratio", 1.3)),
     Case("stat-child", "atb-probe", "statistics, save_child (every module and kernel)",
@@ -97,6 +100,10 @@ BY_NAME = {c.name: c for c in CASES}
 
 
 # -- runners ------------------------------------------------------------------------------------
+#
+# A probed run is `start()` (not timed: attaching the tool), `run()` (timed: the generation and
+# everything needed to have its data on disk) and `finish()` (not timed: detaching). The untimed
+# parts are measured too and reported apart.
 
 class NoProbeRunner:
     """The un-probed model on both sides of a pair."""
@@ -104,16 +111,20 @@ class NoProbeRunner:
     def setup(self, workload, work_dir: str) -> None:
         pass
 
-    def probed(self, workload, run_dir: str) -> str:
+    def start(self, workload, run_dir: str) -> None:
+        pass
+
+    def run(self, workload, run_dir: str) -> str:
         workload.run()
         return run_dir
 
-    def close(self) -> None:
+    def finish(self) -> None:
         pass
 
 
 class AtbProbeRunner:
-    """`atb_probe.enable` ... `disable()`: the timed run ends when every file is on disk."""
+    """`atb_probe.enable`; the generation and a flush of the writer queue (timed: the run ends
+    when every file is on disk); `atb_probe.disable()`."""
 
     def __init__(self, config: dict):
         self.config = config
@@ -121,23 +132,30 @@ class AtbProbeRunner:
     def setup(self, workload, work_dir: str) -> None:
         import atb_probe  # noqa: F401  (imported before the first timed run)
 
-    def probed(self, workload, run_dir: str) -> str:
+    def start(self, workload, run_dir: str) -> None:
         import atb_probe
         atb_probe.enable(run_dir, dict(self.config))
-        try:
-            workload.run()
-        finally:
-            if not atb_probe.disable(timeout=3600):
-                raise RuntimeError("atb-probe did not finish writing within an hour")
+
+    def run(self, workload, run_dir: str) -> str:
+        import atb_probe
+        workload.run()
+        writer = getattr(atb_probe.active(), "writer", None)
+        if writer is None or not hasattr(writer, "flush"):
+            self.finish()  # no writer to wait for: disabling flushes
+        elif not writer.flush(3600):
+            raise RuntimeError("atb-probe did not finish writing within an hour")
         return run_dir
 
-    def close(self) -> None:
-        pass
+    def finish(self) -> None:
+        import atb_probe
+        if not atb_probe.disable(timeout=3600):
+            raise RuntimeError("atb-probe did not finish writing within an hour")
 
 
 class MsprobeRunner:
-    """mindstudio-probe's PyTorch dump: `PrecisionDebugger(config)`, then per run
-    `start(model)`, the generation, `stop()`, `step()` (which writes dump.json)."""
+    """mindstudio-probe's PyTorch dump: `PrecisionDebugger(config)` once, then per run
+    `start(model)`; the generation, `stop()` and `step()` (timed: `step` writes dump.json,
+    tensors are written synchronously by the hooks)."""
 
     def __init__(self, config: dict):
         self.config = config
@@ -158,15 +176,16 @@ class MsprobeRunner:
             json.dump(doc, f, indent=2)
         self.debugger = PrecisionDebugger(config_path=path)
 
-    def probed(self, workload, run_dir: str) -> str:
-        dbg = self.debugger
-        dbg.start(workload.model)
+    def start(self, workload, run_dir: str) -> None:
+        self.debugger.start(workload.model)
+
+    def run(self, workload, run_dir: str) -> str:
         try:
             workload.run()
         finally:
-            dbg.stop()
-            dbg.step()
+            self.debugger.stop()
+            self.debugger.step()
         return self.dump_path
 
-    def close(self) -> None:
+    def finish(self) -> None:
         pass

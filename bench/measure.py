@@ -4,10 +4,12 @@ A *pair* is one un-probed generation and one probed generation, back to back in 
 their order alternating from pair to pair so that a slow drift of the machine (other jobs, heat,
 the page cache) falls on both sides alike. The case's value is the median of the pairs' ratios.
 
-A probed run is timed from the tool's start to the moment its data is on disk (for atb-probe
-`disable()`, which waits for the writer queue; for msprobe `stop()` and `step()`, which write
-synchronously), so background writing is never hidden. Its dump is then scanned (bytes, files)
-and deleted, and the file system is synced, outside the timed region.
+A probed run is timed from the start of the generation to the moment its data is on disk (for
+atb-probe a flush of the writer queue; for msprobe `stop()` and `step()`, which write
+synchronously), so background writing is never hidden. Attaching and detaching the tool
+(`enable`/`disable`, msprobe's `start`) happen outside the timing and are reported apart. The
+dump is then scanned (bytes, files) and deleted, and the file system is synced, outside the
+timed region.
 """
 from __future__ import annotations
 
@@ -119,9 +121,18 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
 
     def probed_once(last: bool) -> dict:
         run_dir = os.path.join(work_dir, f"run{next(counter)}")
-        wall, cpu, peak, dump_dir = _timed(lambda: runner.probed(wl, run_dir))
+        t0 = time.perf_counter()
+        runner.start(wl, run_dir)
+        start_s = time.perf_counter() - t0
+        try:
+            wall, cpu, peak, dump_dir = _timed(lambda: runner.run(wl, run_dir))
+        finally:
+            t0 = time.perf_counter()
+            runner.finish()
+            finish_s = time.perf_counter() - t0
         nbytes, files = scan(dump_dir)
-        rec = {"s": wall, "cpu_s": cpu, "peak_mib": peak, "bytes": nbytes, "files": len(files)}
+        rec = {"s": wall, "cpu_s": cpu, "peak_mib": peak, "bytes": nbytes, "files": len(files),
+               "start_s": start_s, "finish_s": finish_s}
         if case.plain_baseline:
             plain_dir = os.path.join(work_dir, "plain")
             rec["plain_s"] = plain_write(files, plain_dir)
@@ -147,7 +158,6 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
             pr = probed_once(last)
             un = unprobed_once()
         records.append({"unprobed": un, "probed": pr})
-    runner.close()
 
     ratios = [r["probed"]["s"] / r["unprobed"]["s"] for r in records]
     cpu_ratios = [r["probed"]["cpu_s"] / max(r["unprobed"]["cpu_s"], 1e-9) for r in records]
@@ -164,6 +174,8 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
         "unprobed_s": statistics.median(r["unprobed"]["s"] for r in records),
         "probed_s": statistics.median(r["probed"]["s"] for r in records),
         "pristine_s": statistics.median(pristine),
+        "start_finish_s": statistics.median(r["probed"]["start_s"] + r["probed"]["finish_s"]
+                                            for r in records),
         "bytes": statistics.median(r["probed"]["bytes"] for r in records),
         "files": statistics.median(r["probed"]["files"] for r in records),
         "process_peak_mib": process_peak_mib(),
@@ -212,7 +224,11 @@ def profile_case(case, spec, threads: int, work_dir: str, top: int, save: str | 
     wl.run()
     runner = case.runner()
     runner.setup(wl, work_dir)
-    remove(runner.probed(wl, os.path.join(work_dir, "warm")))
+    warm = os.path.join(work_dir, "warm")
+    runner.start(wl, warm)
+    runner.run(wl, warm)
+    runner.finish()
+    remove(warm)
 
     writer_profiles = []
     if case.tool == "atb-probe":
@@ -231,11 +247,14 @@ def profile_case(case, spec, threads: int, work_dir: str, top: int, save: str | 
         writer_mod.Writer._run = profiled_run
 
     prof = cProfile.Profile()
+    run_dir = os.path.join(work_dir, "profiled")
+    runner.start(wl, run_dir)
     t0 = time.perf_counter()
     prof.enable()
-    dump_dir = runner.probed(wl, os.path.join(work_dir, "profiled"))
+    dump_dir = runner.run(wl, run_dir)
     prof.disable()
     wall = time.perf_counter() - t0
+    runner.finish()
     nbytes, files = scan(dump_dir)
     remove(dump_dir)
     t0 = time.perf_counter()

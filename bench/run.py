@@ -326,8 +326,9 @@ def render(name: str, wl: dict, meta: dict) -> str:
         f"{meta.get('commit', '?')}.",
         "",
         "| case | goal | ratio | pair range | best-of ratio | CPU ratio | un-probed s | probed s "
-        "| MB written | files | extra peak RSS MiB | measured vs goal | verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| attach+detach ms | MB written | files | extra peak RSS MiB | measured vs goal "
+        "| verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     legend = []
     for case in CASES:
@@ -337,7 +338,7 @@ def render(name: str, wl: dict, meta: dict) -> str:
         legend.append(f"`{case.name}`: {case.what}")
         if "error" in r:
             lines.append(f"| {case.name} | {case.goal.text() if case.goal else ''} | failed: "
-                         f"{r['error']} | | | | | | | | | | |")
+                         f"{r['error']} | | | | | | | | | | | |")
             continue
         extra = _extra_rss(r, base)
         value, verdict = _verdict(case, r, results, extra)
@@ -345,7 +346,8 @@ def render(name: str, wl: dict, meta: dict) -> str:
             f"| {case.name} | {case.goal.text() if case.goal else ''} | {r['ratio']:.2f} | "
             f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['best_ratio']:.2f} | "
             f"{r['cpu_ratio']:.2f} | "
-            f"{r['unprobed_s']:.3f} | {r['probed_s']:.3f} | {r['bytes'] / 1e6:.1f} | "
+            f"{r['unprobed_s']:.3f} | {r['probed_s']:.3f} | "
+            f"{r.get('start_finish_s', 0) * 1e3:.1f} | {r['bytes'] / 1e6:.1f} | "
             f"{r['files']:.0f} | {_fmt_extra(extra, r)} | {value} | {verdict} |")
     lines += ["", "; ".join(legend) + "."]
     for case in CASES:
