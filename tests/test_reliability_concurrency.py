@@ -17,7 +17,7 @@ from atb_probe.statcsv import COLUMNS
 
 from conftest import config, tiny_llama
 from test_reliability_disk import check_dump
-from test_reliability_signals import DUMP_ALL, start, status_of  # noqa: F401
+from test_reliability_signals import DUMP_ALL, start
 
 # Columns that legitimately differ between processes or rounds.
 VARYING = ("Device and PID", "Execution Count", "Tensor Path")

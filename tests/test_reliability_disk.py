@@ -75,8 +75,11 @@ class Mounted:
         self.mount()
 
     def read_only(self) -> None:
-        done = _run("mount", "-o", "remount,ro", str(self.path))
-        assert done.returncode == 0, done.stderr
+        for _ in range(2000):  # refused while a file is open for writing: catch a gap
+            done = _run("mount", "-o", "remount,ro", str(self.path))
+            if done.returncode == 0:
+                return
+        pytest.fail(f"could not remount read-only: {done.stderr}")
 
 
 @pytest.fixture

@@ -275,7 +275,11 @@ def _open_child_dir(parent_fd: int, name: str, shown: str) -> int:
                                   shown) from None
         raise
     if created:
-        os.fchmod(fd, DIR_MODE)
+        try:
+            os.fchmod(fd, DIR_MODE)
+        except BaseException:
+            os.close(fd)
+            raise
     return fd
 
 
@@ -288,7 +292,12 @@ def _open_existing(dfd: int, name: str) -> int | None:
         if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO):
             return None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not regular:
         os.close(fd)
         return None
     return fd
