@@ -142,13 +142,15 @@ class Round:
 
 
 class LayerRun:
-    """Per layer-level op execution: what was written (for filter_level 1) and structure."""
+    """Per layer-level op execution: what was written (for filter_level 1), its statistic.csv
+    rows (handed to the writer in one piece when the layer ends) and structure."""
 
-    __slots__ = ("written", "collect")
+    __slots__ = ("written", "collect", "rows")
 
     def __init__(self, collect: bool):
-        self.written = {}     # same_bytes_key -> (weakref to tensor, version, path in round)
+        self.written = {}     # same_bytes_key -> (weakref to tensor, path in round)
         self.collect = collect
+        self.rows = []
 
 
 class _ThreadState(threading.local):
@@ -311,6 +313,10 @@ class Engine:
             mode.__enter__()
         try:
             out = original(module, *args, **kwargs)
+        except BaseException:
+            if parent.container and frame.layer is not None:
+                self.recorder.flush_rows(rnd, frame.layer)  # what ran is still recorded
+            raise
         finally:
             if mode is not None:
                 mode.__exit__(None, None, None)
@@ -357,8 +363,12 @@ class Engine:
         if frame.container and not frame.op_id:
             return
         is_layer = parent.container
-        with torch._C._DisableTorchDispatch():
-            self.recorder.module_outputs(rnd, frame, out, named=not is_layer)
+        try:
+            with torch._C._DisableTorchDispatch():
+                self.recorder.module_outputs(rnd, frame, out, named=not is_layer)
+        finally:
+            if is_layer:
+                self.recorder.flush_rows(rnd, frame.layer)
         if is_layer:
             self.recorder.layer_done(rnd, frame)
         else:

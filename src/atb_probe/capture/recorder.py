@@ -177,7 +177,10 @@ class Recorder:
                          side, index, dt.csv_name, "nd", "x".join(str(d) for d in dims),
                          *cells, path))
         if rows:
-            probe.writer.put_rows(rnd.rel, CSV_NAME, format_rows(rows), HEADER)
+            if layer is not None:
+                layer.rows.extend(rows)
+            else:
+                probe.writer.put_rows(rnd.rel, CSV_NAME, format_rows(rows), HEADER)
         return labels
 
     # -- structure files --------------------------------------------------------------------
@@ -191,6 +194,12 @@ class Recorder:
             if parent.nodes is None:
                 parent.nodes = []
             parent.nodes.append(_node(frame))
+
+    def flush_rows(self, rnd, layer) -> None:
+        """Hand a layer execution's statistic.csv rows to the writer, in execution order."""
+        if layer.rows:
+            rows, layer.rows = layer.rows, []
+            self.probe.writer.put_rows(rnd.rel, CSV_NAME, format_rows(rows), HEADER)
 
     def layer_done(self, rnd, frame) -> None:
         node = _node(frame)
