@@ -269,6 +269,25 @@ def test_back_pressure_after_a_long_idle_time_is_not_taken_for_a_stuck_disk(tmp_
     assert probe_lines(capfd.readouterr().err, "ERROR") == []
 
 
+def test_csv_rows_do_not_wait_for_a_busy_writer_to_run_dry(mount_fs):
+    """statistic.csv must not fall behind the files it lists while files keep coming (after a
+    kill, rows that were never written are lost)."""
+    fs = mount_fs("tmpfs", "size=256m")
+    tree = SafeTree(str(fs.path / "atb_dump_data"))
+    writer = Writer(tree, queue_bytes=1 << 30, min_free=0)
+    writer.put_file("r/0", "first.bin", [b"x"], 1)
+    writer.put_rows("r", "statistic.csv", f"row,{tree.root}/r/0/first.bin\n", "h,path\n")
+    payload = bytes(4096)
+    for i in range(20000):
+        writer.put_file(f"r/{i % 100}", f"{i}.bin", [payload], len(payload))
+    table = fs.path / "atb_dump_data" / "r" / "statistic.csv"
+    while not table.exists():
+        assert writer.pending() > 0, "the csv was written only after the queue ran dry"
+        time.sleep(0.002)
+    assert writer.pending() > 1_000_000  # most of the queue was still waiting
+    assert writer.close(60)
+
+
 def test_free_space_rule_with_the_default_reserve_skips_every_file_with_one_warning(
         mount_fs, monkeypatch, capfd):
     """SPEC §6: 2 GiB must stay free; an 8 MiB disk never has that."""

@@ -80,9 +80,10 @@ def start(tmp: Path, out: Path, rounds: int, ending: str, cfg: dict, **env) -> s
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def wait_for_bins(proc: subprocess.Popen, root: Path, count: int, limit: float = 90) -> None:
+def wait_for_bins(proc: subprocess.Popen, root: Path, count: int, limit: float = 90,
+                  with_csv: bool = False) -> None:
     deadline = time.monotonic() + limit
-    while len(bins(root)) < count:
+    while len(bins(root)) < count or with_csv and not any(root.rglob("statistic.csv")):
         if proc.poll() is not None:
             pytest.fail(f"the process ended first: {proc.stderr.read()}")
         assert time.monotonic() < deadline, "the dump did not start"
@@ -103,7 +104,7 @@ def test_sigkill_mid_dump_leaves_only_complete_files_and_whole_lines(tmp_path, a
     out = tmp_path / "out"
     proc = start(tmp_path, out, 400, "exit", DUMP_ALL)
     try:
-        wait_for_bins(proc, out, after_bins)
+        wait_for_bins(proc, out, after_bins, with_csv=True)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

@@ -195,17 +195,16 @@ class Writer:
             with self._cond:
                 job = size = None
                 while True:
+                    # Rows that are due go first, even while files keep coming: a busy writer
+                    # must not let statistic.csv fall behind the files it lists.
+                    wait = self._rows_wait() if self._rows else None
+                    if wait is not None and wait <= 0:
+                        break
                     if self._jobs:
                         job, size = self._jobs.popleft()
                         break
-                    if self._rows:
-                        wait = self._rows_wait()
-                        if wait <= 0:
-                            break
-                    elif self._closed:
+                    if wait is None and self._closed:
                         return
-                    else:
-                        wait = None
                     self._cond.wait(wait)
                 self._busy = True
                 self._last_progress = time.monotonic()  # idle time is not a stall
