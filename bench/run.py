@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", default="",
                    help="comma list of cases (default: all but the heavy ones on 'large', "
                         "and msprobe's only when its interpreter is found and not --quick)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each side per pair, the fastest kept (default 1; 3 on a "
+                        "machine shared with other jobs)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--out", default="",
                    help="keep the last dump of each case and the logs here "
@@ -120,7 +123,8 @@ def _run_one(args) -> int:
     case = BY_NAME[args.case.split("@")[0]]
     spec = workloads.spec(args.workload, args.quick)
     pairs = args.pairs or (QUICK_PAIRS if args.quick else DEFAULT_PAIRS)
-    result = measure.run_case(case, spec, pairs, args.threads, args.work, keep=args.keep)
+    result = measure.run_case(case, spec, pairs, args.threads, args.work, keep=args.keep,
+                              repeat=args.repeat)
     result["case"] = args.case
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
@@ -153,7 +157,7 @@ def _orchestrate(args) -> int:
     root = os.path.abspath(args.out) if args.out else tempfile.mkdtemp(prefix="atb-bench-")
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     meta = _machine(args)
-    meta.update(pairs=pairs, threads=args.threads, quick=args.quick, msprobe=ms_note,
+    meta.update(pairs=pairs, repeat=args.repeat, threads=args.threads, quick=args.quick, msprobe=ms_note,
                 started=datetime.datetime.now().isoformat(timespec="seconds"))
     doc = {"meta": meta, "workloads": {}}
     failed = False
@@ -213,7 +217,8 @@ def _spawn(args, key: str, workload: str, pairs: int, python: str, root: str) ->
     result_path = os.path.join(root, "logs", f"{workload}-{key.replace('@', '-')}.json")
     log_path = result_path[:-5] + ".log"
     cmd = [python, os.path.abspath(__file__), "--case", key, "--workload", workload,
-           "--pairs", str(pairs), "--threads", str(args.threads), "--work", work,
+           "--pairs", str(pairs), "--repeat", str(args.repeat), "--threads", str(args.threads),
+           "--work", work,
            "--json", result_path]
     if args.quick:
         cmd.append("--quick")
@@ -314,10 +319,13 @@ def render(name: str, wl: dict, meta: dict) -> str:
     base = results.get("unprobed", {})
     ms_base = results.get(MSPROBE_BASELINE, {})
     versions = next((r.get("versions") for r in results.values() if r.get("versions")), {})
+    repeat = meta.get("repeat", 1)
+    repeat_note = f" (each side the fastest of {repeat} runs)" if repeat > 1 else ""
     lines = [
         f"### Workload `{name}`: {wl['describe']}",
         "",
         f"{meta['threads']} threads; median of {meta['pairs']} paired runs"
+        f"{repeat_note}"
         f"{' (--quick)' if meta['quick'] else ''}. Machine: {meta.get('cpu', '?')}, "
         f"{meta.get('cores', '?')} cores, {meta.get('memory_gib', '?')} GiB, "
         f"{meta['platform']}; load average before {meta['load_before']}. "
