@@ -235,7 +235,7 @@ class Probe:
                 try:
                     self.tree.makedirs("data")
                 except OSError as exc:
-                    self.report(exc)
+                    log.warn_once("data-dir", f"cannot create {self.tree.path('data')}: {exc}")
             self.engine.install()
         elif self.engine is not None:
             self.engine.uninstall()
@@ -342,7 +342,8 @@ class Probe:
                 self._status_last, self._status_name = snapshot, name
                 self._status_final = final
             except OSError as exc:
-                log.warn_once("status-write", f"cannot write the status file: {exc}")
+                if not self.writer.failed:  # the writer has already said why the disk failed
+                    log.warn_once("status-write", f"cannot write the status file: {exc}")
 
     def _remove_status(self, name: str) -> None:
         try:

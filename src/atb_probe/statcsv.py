@@ -1,7 +1,8 @@
 """statistic.csv: the per-round table of every tensor written (SPEC §5).
 
-One file per round directory, with `HEADER` as its first line. Rows are appended whole (one
-`write` of complete lines), so a killed process leaves only complete lines behind.
+One file per round directory, with `HEADER` as its first line. Rows are appended in batches by
+the writer through an atomic replace of the file (`SafeTree.append_lines`), so a killed process
+leaves only complete lines behind.
 """
 from __future__ import annotations
 

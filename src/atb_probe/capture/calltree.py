@@ -270,7 +270,9 @@ class Engine:
         with self._lock:
             self.active_rounds += 1
         device = probe.decide_device(module, args, kwargs)
-        dumping = selection is not None and selection.round_selected(index, device)
+        # Once the writer has stopped (disk full, I/O error) nothing more is captured.
+        dumping = selection is not None and selection.round_selected(index, device) \
+            and not probe.writer.failed
         rnd = Round(index, selection, f"data/{probe.devpid}/{index}", dumping)
         self.tls.round = rnd
         if dumping:

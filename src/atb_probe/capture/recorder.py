@@ -7,11 +7,13 @@ tensor's device and a private host copy of the bytes. Encoding and disk I/O happ
 from __future__ import annotations
 
 import weakref
+from functools import lru_cache
 
 import torch
 
 from .. import log
 from ..binfile import encode_header, encode_reference
+from ..naming import sanitize
 from ..statcsv import HEADER, NA, format_number, format_rows
 from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, plain, same_bytes_key,
                       statistics)
@@ -142,7 +144,7 @@ class Recorder:
         op_dir = f"{rnd.rel}/{frame.rel}/{sub}"
         layer = frame.layer
         for (i, label, t), st in zip(kept, stats):
-            index = f"{i}_{label}" if named and label else str(i)
+            index = f"{i}_{_safe_label(label)}" if named and label else str(i)
             labels.append(index)
             dt = dtype_of(t)
             dims = tuple(t.shape)
@@ -229,6 +231,12 @@ class Recorder:
                "phase": rnd.phase, "param": param, "nodes": rnd.layer_nodes}
         probe.writer.put_json(f"info/model/{probe.devpid}", f"{rnd.root_name}_{rnd.phase}.json",
                               doc)
+
+
+@lru_cache(maxsize=4096)
+def _safe_label(label: str) -> str:
+    """A parameter label (it may come from a dict key) as a file-name part."""
+    return sanitize(label, limit=64)
 
 
 def _collecting(frame) -> bool:
