@@ -1,6 +1,7 @@
 """`atb-probe run [--output=DIR] [--config=FILE] -- CMD...`: one command with the probe loaded."""
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -27,13 +28,8 @@ def register(sub) -> None:
                               "python infer.py")
     p.add_argument("--output", help="where atb_dump_data/ goes (default: current directory)")
     p.add_argument("--config", help="config file (default: config.json beside the load script)")
-    p.add_argument("cmd", nargs=argparse_remainder(), help="the command, after --")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
     p.set_defaults(func=_run)
-
-
-def argparse_remainder():
-    import argparse
-    return argparse.REMAINDER
 
 
 def _run(args) -> int:
