@@ -1,10 +1,8 @@
 """Which ops are written (SPEC §3 "Selection"): the pure rules, then on a real model."""
 from __future__ import annotations
 
-import os
 
 import pytest
-import torch
 
 from atb_probe.config import parse_config
 from atb_probe.selection import Selection

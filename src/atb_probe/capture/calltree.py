@@ -24,7 +24,6 @@ import weakref
 import torch
 from torch import nn
 
-from .. import log
 from ..naming import sanitize
 from ..selection import LayerPlan, SKIP_LAYER
 from .kernels import KernelCapture, bind_kernel_args, kernel_info

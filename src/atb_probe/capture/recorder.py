@@ -15,7 +15,7 @@ from .. import log
 from ..binfile import encode_header, encode_reference
 from ..naming import sanitize
 from ..statcsv import HEADER, NA, format_number, format_rows
-from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, plain, same_bytes_key,
+from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, same_bytes_key,
                       statistics)
 
 CSV_NAME = "statistic.csv"

@@ -74,7 +74,6 @@ def build_tree(dump, depth: int):
 
 
 def _add_round(parent, rnd: Round, depth: int) -> None:
-    from rich.markup import escape
     files, size = _sum(rnd.tensors)
     source = "statistic.csv" if os.path.isfile(rnd.csv_path) else "no statistic.csv: folders"
     rnode = parent.add(f"round [bold]{rnd.index}[/]  task={rnd.task}  {files} tensors, "
