@@ -86,8 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=None,
                    help=f"paired runs per case (default {DEFAULT_PAIRS}, --quick {QUICK_PAIRS})")
     p.add_argument("--cases", default="",
-                   help="comma list of cases (default: all but the heavy ones on 'large', "
-                        "and msprobe's only when its interpreter is found and not --quick)")
+                   help="comma list of cases (default: all but the heavy ones on 'large' and "
+                        "with --quick; msprobe's when its interpreter is found, not with --quick)")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of each side per pair, the fastest kept (default 1; 3 on a "
                         "machine shared with other jobs)")
