@@ -107,6 +107,26 @@ def run_loaded(tmp: Path, script: str, cfg: dict | None = None, load_args: str |
                           text=True, timeout=timeout)
 
 
+def count_rounds_by_config(rounds: dict, tensor_op: str, stats_op: str) -> dict:
+    """For rounds dumped while the config flipped between `ids: tensor_op` with task tensor and
+    `ids: stats_op` with task statistics: assert every round holds exactly one op's input and
+    output rows, all of that round and all written under one config; count rounds per op."""
+    seen = {tensor_op: 0, stats_op: 0}
+    for index, folder in rounds.items():
+        rows = read_csv(folder / "statistic.csv")
+        ops = {r["Op Id"] for r in rows}
+        assert ops in ({tensor_op}, {stats_op}), (index, rows)
+        op = ops.pop()
+        seen[op] += 1
+        assert sorted(r["Input/Output"] for r in rows) == ["input", "output"], (index, rows)
+        assert {r["Execution Count"] for r in rows} == {str(index)}
+        if op == tensor_op:
+            assert all(r["Max"] == "N/A" and os.path.isfile(r["Tensor Path"]) for r in rows)
+        else:
+            assert all(r["Max"] != "N/A" and r["Tensor Path"] == "N/A" for r in rows)
+    return seen
+
+
 LLAMA_SCRIPT = """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SCRIPTS, config, read_csv
+from conftest import SCRIPTS, config, count_rounds_by_config, read_csv
 
 SERVER = Path(__file__).resolve().parent.parent / "examples" / "service" / "server.py"
 WAKE = "Ready to dump ATB data, the running speed of the model will be affected"
@@ -263,19 +263,7 @@ def test_concurrent_requests_during_reloads_dump_each_round_under_one_config(ser
     proc_dir = svc.root / "data" / f"0_{svc.proc.pid}"
     rounds = {int(p.name): p for p in proc_dir.iterdir()}
     assert sorted(rounds) == list(range(status["rounds_dumped"]))
-    seen = {"0": 0, "5": 0}
-    for index, folder in rounds.items():
-        rows = read_csv(folder / "statistic.csv")
-        ops = {r["Op Id"] for r in rows}
-        assert ops in ({"0"}, {"5"}), (index, rows)
-        op = ops.pop()
-        seen[op] += 1
-        assert sorted(r["Input/Output"] for r in rows) == ["input", "output"], (index, rows)
-        assert {r["Execution Count"] for r in rows} == {str(index)}
-        if op == "0":
-            assert all(r["Max"] == "N/A" and os.path.isfile(r["Tensor Path"]) for r in rows)
-        else:
-            assert all(r["Max"] != "N/A" and r["Tensor Path"] == "N/A" for r in rows)
+    seen = count_rounds_by_config(rounds, "0", "5")
     assert seen["0"] >= 12 and seen["5"] >= 12, seen
 
 
