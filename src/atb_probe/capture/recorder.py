@@ -20,6 +20,7 @@ from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, same_bytes_key
 
 CSV_NAME = "statistic.csv"
 MAX_PARAM_SHAPES = 256
+MAX_CACHED_STATS = 4096
 
 
 class Recorder:
@@ -30,6 +31,7 @@ class Recorder:
         self._static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._layer_files: dict[tuple[str, str], int] = {}  # (name, id) -> nodes written
         self._phases: set[str] = set()
+        self._stats_cache: dict = {}  # see input_statistics
 
     # -- module ops -------------------------------------------------------------------------
 
@@ -137,7 +139,8 @@ class Recorder:
                               f"cannot dump a {type(t).__name__} of dtype "
                               f"{getattr(t, 'dtype', '?')} ({frame.full_name}); skipped")
         if cfg.wants_statistics or header_only:
-            stats = statistics([t for _, _, t in kept])
+            tensors = [t for _, _, t in kept]
+            stats = self.input_statistics(tensors) if inputs else statistics(tensors)
         else:
             stats = [None] * len(kept)
         rows, labels = [], []
@@ -184,6 +187,34 @@ class Recorder:
             else:
                 probe.writer.put_rows(rnd.rel, CSV_NAME, format_rows(rows), HEADER)
         return labels
+
+    def input_statistics(self, tensors) -> list:
+        """`statistics`, reusing the values of an input whose bytes did not change since they
+        were computed (typically a weight, seen again in every round).
+
+        A cached value is keyed by the tensor's memory, layout and version counter, and is valid
+        while the tensor owning that memory (the view's base) is alive: its memory cannot have
+        been reused, and every in-place change bumps the shared version counter. Inputs only:
+        a view made inside a kernel gets its base's counter after the kernel returns."""
+        cache = self._stats_cache
+        results, missing = [None] * len(tensors), []
+        for i, t in enumerate(tensors):
+            key = _stats_key(t)
+            hit = cache.get(key) if key is not None else None
+            if hit is not None and hit[0]() is not None:
+                results[i] = hit[1]
+            else:
+                missing.append((i, key))
+        if missing:
+            if len(cache) > MAX_CACHED_STATS:
+                cache.clear()
+            computed = statistics([tensors[i] for i, _ in missing])
+            for (i, key), value in zip(missing, computed):
+                results[i] = value
+                if key is not None and value is not None:
+                    owner = tensors[i]._base if tensors[i]._base is not None else tensors[i]
+                    cache[key] = (weakref.ref(owner), value)
+        return results
 
     # -- structure files --------------------------------------------------------------------
 
@@ -258,6 +289,16 @@ def _node(frame) -> dict:
 
 def _count(node: dict) -> int:
     return sum(1 + _count(n) for n in node["nodes"])
+
+
+def _stats_key(t):
+    """Memory, layout, dtype and version of a tensor; None when it has no version counter
+    (inference tensors) or no storage."""
+    try:
+        return (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
+                t.dtype, tuple(t.shape), tuple(t.stride()), t._version)
+    except Exception:
+        return None
 
 
 def _lookup(layer, key, t):
