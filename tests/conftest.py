@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,41 @@ def run_loaded(tmp: Path, script: str, cfg: dict | None = None, load_args: str |
     full_env.update(env or {})
     return subprocess.run(["bash", "-c", cmd], cwd=tmp, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def wait_until(condition, timeout: float, what: str, interval: float = 0.01):
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class LiveProcess:
+    """What the tests of a running, probed process share: its config file and its status.
+    Subclasses set `config_path` and `status_file`."""
+
+    config_path: Path
+    status_file: Path
+
+    def status(self) -> dict:
+        return json.loads(self.status_file.read_text())
+
+    def write_config(self, **overrides) -> float:
+        """Save config.json the way an editor does (truncate, then write); the time it was saved."""
+        with open(self.config_path, "w") as f:
+            f.write(json.dumps(config(**overrides), indent=4))
+        return time.monotonic()
+
+    def wait_applied(self, timeout: float = 5, **overrides) -> dict:
+        """Wait until the status shows `config(**overrides)` in effect; the status."""
+        want = config(**overrides)
+        return wait_until(lambda: (lambda s: s if s["config_in_effect"] == want else None)(
+            self.status()), timeout, f"config {overrides} in effect")
 
 
 def count_rounds_by_config(rounds: dict, tensor_op: str, stats_op: str) -> dict:

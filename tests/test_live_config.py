@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, config, count_rounds_by_config, read_csv
+from conftest import (SCRIPTS, LiveProcess, config, count_rounds_by_config, read_csv,
+                      wait_until)
 
 WAKE = "Ready to dump ATB data, the running speed of the model will be affected"
 
@@ -80,19 +81,7 @@ for line in sys.stdin:
 """
 
 
-def wait_until(condition, timeout: float, what: str, interval: float = 0.01):
-    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
-class Program:
+class Program(LiveProcess):
     """The driver program, started under the load script with no config file."""
 
     def __init__(self, tmp: Path):
@@ -129,21 +118,6 @@ class Program:
         reply = self.proc.stdout.readline().split()
         assert reply and reply[0] == "ok", (reply, "\n".join(self.stderr))
         return reply[1] == "True"
-
-    def status(self) -> dict:
-        return json.loads(self.status_file.read_text())
-
-    def write_config(self, **overrides) -> float:
-        """Save config.json the way an editor does (truncate, then write); the time it was saved."""
-        with open(self.config_path, "w") as f:
-            f.write(json.dumps(config(**overrides), indent=4))
-        return time.monotonic()
-
-    def wait_applied(self, timeout: float = 5, **overrides) -> dict:
-        """Wait until the status shows `config(**overrides)` in effect; the status."""
-        want = config(**overrides)
-        return wait_until(lambda: (lambda s: s if s["config_in_effect"] == want else None)(
-            self.status()), timeout, f"config {overrides} in effect")
 
     def lines(self, text: str) -> list[str]:
         return [line for line in self.stderr if text in line]

@@ -21,22 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SCRIPTS, config, count_rounds_by_config, read_csv
+from conftest import (SCRIPTS, LiveProcess, config, count_rounds_by_config, read_csv,
+                      wait_until)
 
 SERVER = Path(__file__).resolve().parent.parent / "examples" / "service" / "server.py"
 WAKE = "Ready to dump ATB data, the running speed of the model will be affected"
-
-
-def wait_until(condition, timeout: float, what: str, interval: float = 0.01):
-    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 def free_port() -> int:
@@ -50,7 +39,7 @@ def probe_env() -> dict:
             if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
 
 
-class Service:
+class Service(LiveProcess):
     """The example server, started like the guide says: source the load script, then run it."""
 
     def __init__(self, tmp: Path):
@@ -95,19 +84,6 @@ class Service:
         assert body["choices"][0]["message"]["role"] == "assistant"
         assert body["usage"]["completion_tokens"] == max_tokens
         return body
-
-    def status(self) -> dict:
-        return json.loads(self.status_file.read_text())
-
-    def write_config(self, **overrides) -> float:
-        with open(self.config_path, "w") as f:
-            f.write(json.dumps(config(**overrides), indent=4))
-        return time.monotonic()
-
-    def wait_applied(self, timeout: float = 5, **overrides) -> dict:
-        want = config(**overrides)
-        return wait_until(lambda: (lambda s: s if s["config_in_effect"] == want else None)(
-            self.status()), timeout, f"config {overrides} in effect")
 
     def wait_complete(self, rounds_dumped: int, timeout: float = 10) -> dict:
         """Wait until the status says `rounds_dumped` rounds are dumped and nothing is queued."""
