@@ -342,8 +342,9 @@ class Engine:
                                                            parent.dump_children)
         frame = Frame(op_id, info.name, full_name, f"{parent.rel}/{index}_{info.name}", dump,
                       dump_children, passthrough=False, track=True, layer=parent.layer)
-        with torch._C._DisableTorchDispatch():
-            self.recorder.module_inputs(rnd, frame, module, info, args, kwargs, named=True)
+        if frame.dump or frame.layer.collect:  # else nothing to record: skip the context
+            with torch._C._DisableTorchDispatch():
+                self.recorder.module_inputs(rnd, frame, module, info, args, kwargs, named=True)
         return frame, None
 
     def enter_layer(self, rnd: Round, module, info: ModuleInfo, args, kwargs):
@@ -365,8 +366,9 @@ class Engine:
             return
         is_layer = parent.container
         try:
-            with torch._C._DisableTorchDispatch():
-                self.recorder.module_outputs(rnd, frame, out, named=not is_layer)
+            if frame.dump or (frame.layer is not None and frame.layer.collect):
+                with torch._C._DisableTorchDispatch():
+                    self.recorder.module_outputs(rnd, frame, out, named=not is_layer)
         finally:
             if is_layer:
                 self.recorder.flush_rows(rnd, frame.layer)
