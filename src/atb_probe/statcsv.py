@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 COLUMNS = ("Device and PID", "Execution Count", "Op Name", "Op Type", "Op Id", "Input/Output",
            "Index", "Dtype", "Format", "Shape", "Max", "Min", "Mean", "Norm", "Tensor Path")
@@ -33,4 +33,20 @@ def format_rows(rows: Sequence[Sequence[str]]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerows(rows)
+    return buf.getvalue()
+
+
+_NA_STATS = (NA, NA, NA, NA)
+
+
+def format_records(records: Iterable[tuple]) -> str:
+    """CSV text of rows given as records: the first nine cells as text, then the shape (a
+    tuple of ints), the statistics ((max, min, mean, norm) floats, or None for `N/A`) and the
+    Tensor Path. Formatting is left to the writer thread, off the model's path."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerows(
+        (*r[:9], "x".join(map(str, r[9])),
+         *(_NA_STATS if r[10] is None else map(format_number, r[10])), r[11])
+        for r in records)
     return buf.getvalue()

@@ -14,7 +14,7 @@ import torch
 from .. import log
 from ..binfile import encode_header, encode_reference
 from ..naming import sanitize
-from ..statcsv import HEADER, NA, format_number, format_rows
+from ..statcsv import HEADER, NA
 from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, same_bytes_key,
                       statistics)
 
@@ -174,18 +174,14 @@ class Recorder:
                         if key is not None and layer is not None:
                             layer.written[key] = (weakref.ref(t), in_round)
                 path = f"{probe.tree.root}/{op_dir}/{fname}"
-            if st is None:
-                cells = (NA, NA, NA, NA)
-            else:
-                cells = tuple(format_number(v) for v in st)
+            # A record: formatted on the writer thread (statcsv.format_records).
             rows.append((probe.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id,
-                         side, index, dt.csv_name, "nd", "x".join(str(d) for d in dims),
-                         *cells, path))
+                         side, index, dt.csv_name, "nd", dims, st, path))
         if rows:
             if layer is not None:
                 layer.rows.extend(rows)
             else:
-                probe.writer.put_rows(rnd.rel, CSV_NAME, format_rows(rows), HEADER)
+                probe.writer.put_records(rnd.rel, CSV_NAME, rows, HEADER)
         return labels
 
     def input_statistics(self, tensors) -> list:
@@ -232,7 +228,7 @@ class Recorder:
         """Hand a layer execution's statistic.csv rows to the writer, in execution order."""
         if layer.rows:
             rows, layer.rows = layer.rows, []
-            self.probe.writer.put_rows(rnd.rel, CSV_NAME, format_rows(rows), HEADER)
+            self.probe.writer.put_records(rnd.rel, CSV_NAME, rows, HEADER)
 
     def layer_done(self, rnd, frame) -> None:
         node = _node(frame)

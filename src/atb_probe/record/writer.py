@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .. import log
+from ..statcsv import format_records
 from .safefs import SafeTree, UnsafePathError
 
 GIB = 1024 ** 3
@@ -42,6 +43,7 @@ ROWS_MAX_DELAY = 2.0
 ROWS_BATCH = 256 * 1024
 MAX_ROW_FILES = 16         # csv files with rows waiting at once
 _JOB_OVERHEAD = 256        # accounted bytes for a job besides its payload
+_RECORD_BYTES = 192        # accounted bytes for a statistic.csv record
 _NA = "N/A"                # the Tensor Path of a row whose file was not written (statcsv.NA)
 _ERRNO_WORDS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
@@ -62,10 +64,10 @@ class _Rows:
 
     __slots__ = ("header", "parts", "nbytes", "accounted", "due", "file_bytes")
 
-    def __init__(self, header: bytes, now: float, file_bytes: int):
+    def __init__(self, header: str, now: float, file_bytes: int):
         self.header = header
-        self.parts: list[bytes] = []
-        self.nbytes = 0        # bytes of rows waiting
+        self.parts: list = []  # csv bytes, or lists of records (statcsv.format_records)
+        self.nbytes = 0        # bytes of rows waiting (records: estimated)
         self.accounted = 0     # their share of bytes_queued
         self.file_bytes = file_bytes  # bytes this writer has appended to the file so far
         self.due = now + min(ROWS_MAX_DELAY, ROWS_DELAY * max(1.0, file_bytes / ROWS_BATCH))
@@ -107,39 +109,63 @@ class Writer:
     def put_rows(self, rel_dir: str, name: str, text: str, header: str) -> None:
         """Queue complete csv lines for `rel_dir/name`; a new file starts with `header`."""
         data = text.encode("utf-8")
-        self._put(("rows", rel_dir, name, data, header.encode("utf-8")),
-                  len(data) + _JOB_OVERHEAD)
+        self._put_rows(rel_dir, name, data, header, len(data) + _JOB_OVERHEAD)
+
+    def put_records(self, rel_dir: str, name: str, records: list, header: str) -> None:
+        """Queue statistic.csv rows as records (see `statcsv.format_records`): they are
+        formatted on the writer thread, when their batch is written."""
+        self._put_rows(rel_dir, name, records, header, _RECORD_BYTES * len(records))
 
     def put_json(self, rel_dir: str, name: str, obj) -> None:
         """Queue a JSON document; it is serialised on the writer thread."""
         self._put(("json", rel_dir, name, obj), 4096)
 
     def _put(self, job: tuple, size: int) -> None:
-        if self.failed or self._closed:
-            return
         with self._cond:
-            self._ensure_thread()
-            if self.stats.bytes_queued and self.stats.bytes_queued + size > self.capacity:
-                self._urgent += 1
-                try:
-                    while self.stats.bytes_queued and \
-                            self.stats.bytes_queued + size > self.capacity and not self.failed:
-                        idle = time.monotonic() - self._last_progress
-                        if idle > self.stall_seconds:
-                            self._stop(f"the disk under {self.tree.root} took nothing for "
-                                       f"{idle:.0f} s; dumping stopped so the model can go on")
-                            break
-                        self._cond.notify_all()
-                        self._cond.wait(min(0.5, max(0.01, self.stall_seconds - idle)))
-                finally:
-                    self._urgent -= 1
-            if self.failed:
+            if not self._admit(size):
                 return
-            if not self._jobs and not self._busy:
-                self._last_progress = time.monotonic()  # the writer was idle, not stalled
             self._jobs.append((job, size))
-            self.stats.bytes_queued += size
             self._cond.notify_all()
+
+    def _put_rows(self, rel_dir: str, name: str, part, header: str, size: int) -> None:
+        """Rows join their file's batch at once when nothing is queued before them (so every
+        file they name has been dealt with), without waking the writer unless the batch is new
+        or full: the writer sleeps until the batch is due. Otherwise they queue in order."""
+        with self._cond:
+            if not self._admit(size):
+                return
+            if self._jobs or self._busy:
+                self._jobs.append((("rows", rel_dir, name, part, header), size))
+                self._cond.notify_all()
+            elif self._batch((rel_dir, name), header, part, size):
+                self._cond.notify_all()
+
+    def _admit(self, size: int) -> bool:
+        """(Holding `_cond`.) Wait for room for `size` bytes (back-pressure), then account for
+        them; False when nothing can be queued any more."""
+        if self.failed or self._closed:
+            return False
+        self._ensure_thread()
+        if self.stats.bytes_queued and self.stats.bytes_queued + size > self.capacity:
+            self._urgent += 1
+            try:
+                while self.stats.bytes_queued and \
+                        self.stats.bytes_queued + size > self.capacity and not self.failed:
+                    idle = time.monotonic() - self._last_progress
+                    if idle > self.stall_seconds:
+                        self._stop(f"the disk under {self.tree.root} took nothing for "
+                                   f"{idle:.0f} s; dumping stopped so the model can go on")
+                        break
+                    self._cond.notify_all()
+                    self._cond.wait(min(0.5, max(0.01, self.stall_seconds - idle)))
+            finally:
+                self._urgent -= 1
+        if self.failed:
+            return False
+        if not self._jobs and not self._busy:
+            self._last_progress = time.monotonic()  # the writer was idle, not stalled
+        self.stats.bytes_queued += size
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued is on disk; False when `timeout` ran out first."""
@@ -214,8 +240,10 @@ class Writer:
                 if job is None:
                     self._write_rows()
                 elif job[0] == "rows":
-                    kept = size  # the batch accounts for it from here (see _add_rows)
-                    self._add_rows(job, size)
+                    kept = size  # the batch accounts for it from here
+                    _, rel_dir, name, part, header = job
+                    with self._cond:  # written when due: see the wait above
+                        self._batch((rel_dir, name), header, part, size)
                 elif not self.failed:
                     self._do(job)
             except Exception as exc:  # the writer must never die silently
@@ -271,31 +299,32 @@ class Writer:
 
     # -- csv rows -----------------------------------------------------------------------------
 
-    def _add_rows(self, job: tuple, size: int) -> None:
-        """Batch a rows job; from the moment it joins the batch, the batch accounts for `size`.
-
-        Never raises: a failure to write the batch stops the writer here."""
-        _, rel_dir, name, data, header = job
-        if self.failed:
-            data = b""
-        elif self._missing:
-            data = self._unname_missing(data)
-        key = (rel_dir, name)
+    def _batch(self, key: tuple[str, str], header: str, part, size: int) -> bool:
+        """(Holding `_cond`.) Add rows (bytes or records) to the batch of file `key`; from here
+        the batch accounts for their `size` queued bytes. True when the writer should look at
+        the batches now: a new one (its due time) or one big enough to write."""
         rows = self._rows.get(key)
-        if rows is None:
+        new = rows is None
+        if new:
             rows = self._rows[key] = _Rows(header, time.monotonic(),
                                            self._row_file_bytes.get(key, 0))
-        rows.parts.append(data)
-        rows.nbytes += len(data)
+        rows.parts.append(part)
+        rows.nbytes += size
         rows.accounted += size
         if len(self._rows) > MAX_ROW_FILES or rows.nbytes >= max(ROWS_BATCH, rows.file_bytes):
-            self._write_rows()
+            rows.due = 0.0
+            return True
+        return new
 
     def _write_rows(self) -> None:
         """Append every waiting row to its file (each file in one atomic step). Never raises:
         a write error stops the writer."""
-        while self._rows:
-            key, rows = next(iter(self._rows.items()))
+        while True:
+            with self._cond:
+                if not self._rows:
+                    return
+                key = next(iter(self._rows))
+                rows = self._rows.pop(key)
             error = None
             try:
                 self._append(key, rows)
@@ -304,24 +333,38 @@ class Writer:
             except Exception as exc:
                 error = exc
             finally:
-                self._release(key, rows)
+                self._release(rows)
             if error is not None and not self.failed:
                 self._fail(error, self.tree.path(f"{key[0]}/{key[1]}"))
 
     def _append(self, key: tuple[str, str], rows: _Rows) -> None:
-        data = b"".join(rows.parts)
+        data = b"".join(self._encode(part) for part in rows.parts)
         if not data:
             return
-        self.stats.bytes_written += self.tree.append_lines(key[0], key[1], data, rows.header)
+        self.stats.bytes_written += self.tree.append_lines(key[0], key[1], data,
+                                                           rows.header.encode("utf-8"))
         if len(self._row_file_bytes) >= 256:
             self._row_file_bytes.clear()
         self._row_file_bytes[key] = rows.file_bytes + len(data)
 
-    def _release(self, key: tuple[str, str], rows: _Rows) -> None:
+    def _encode(self, part) -> bytes:
+        """csv bytes of a batch part; rows naming a skipped file say N/A in their Tensor Path."""
+        if isinstance(part, bytes):
+            return self._unname_missing(part) if self._missing else part
+        if self._missing:
+            part = [self._unname_record(r) for r in part]
+        return format_records(part).encode("utf-8")
+
+    def _unname_record(self, record: tuple) -> tuple:
+        if record[-1] in self._missing:
+            self._missing.discard(record[-1])
+            return record[:-1] + (_NA,)
+        return record
+
+    def _release(self, rows: _Rows) -> None:
         with self._cond:
             self.stats.bytes_queued -= rows.accounted
             self._cond.notify_all()
-        del self._rows[key]
 
     def _unname_missing(self, data: bytes) -> bytes:
         """Rows whose Tensor Path (the last cell) names a file that was skipped say N/A."""
