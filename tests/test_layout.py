@@ -233,3 +233,49 @@ def test_files_and_dirs_have_restrictive_modes(all_dump):
         mode = stat.S_IMODE(p.stat().st_mode)
         assert mode == (0o750 if p.is_dir() else 0o640), p
     assert not list(all_dump.rglob("*.tmp"))
+
+
+def test_statistics_of_special_values_and_every_kind_of_dtype(tmp_path):
+    """nan/inf, integer, bool, half, complex, negated-view and transposed tensors, empty ones:
+    each row holds torch's statistics of that tensor (in float32/float64), formatted exactly."""
+    class Mixed(nn.Module):
+        def forward(self, x):
+            return (torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([1.0, float("inf")]),
+                    torch.tensor([-float("inf"), 0.5]), torch.arange(7) - 3,
+                    torch.tensor([True, False, True]), x.half(), x.bfloat16(),
+                    torch.complex(x, -x), torch.conj(torch.complex(x, x)).imag, x.t(),
+                    torch.zeros(0, 3))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Mixed(), Mixed()])
+
+        def forward(self, x):
+            return [b(x) for b in self.blocks]
+
+    x = torch.randn(3, 5)
+    net = Net()
+    expected = Mixed()(x)
+    root = dump(tmp_path, config(task="statistics"), lambda: net(x))
+    rows = [r for r in read_csv(only_proc(root) / "0" / "statistic.csv")
+            if r["Op Id"] == "0" and r["Input/Output"] == "output"]
+    assert len(rows) == len(expected)
+    for r, t in zip(rows, expected):
+        got = [r[k] for k in ("Max", "Min", "Mean", "Norm")]
+        assert r["Shape"] == "x".join(map(str, t.shape))
+        if t.numel() == 0:
+            assert got == ["N/A"] * 4
+            continue
+        if t.is_complex():
+            t = t.abs()
+        v = t.double() if not t.is_floating_point() else t.float()
+        want = [v.max().item(), v.min().item(), v.sum().item() / v.numel(),
+                torch.linalg.vector_norm(v).item()]
+        for text, value in zip(got, want):
+            if math.isnan(value):
+                assert text == "nan"
+            elif math.isinf(value):
+                assert text == ("inf" if value > 0 else "-inf")
+            else:
+                assert float(text) == pytest.approx(value, rel=1e-5, abs=1e-6), (r, t)

@@ -15,7 +15,7 @@ import torch
 
 from ..dtypes import BY_TORCH_NAME, DType
 
-_FLOATISH = {torch.float16, torch.bfloat16, torch.float32}
+_max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
 
 
 def dtype_of(t: torch.Tensor) -> DType | None:
@@ -110,18 +110,22 @@ def statistics(tensors: list[torch.Tensor]) -> list[tuple[float, float, float, f
         n = t.numel()
         if n == 0:
             continue
-        x = t.detach()
-        if x.is_complex():
-            x = x.abs()
-        if x.dtype is not torch.float32 and x.dtype is not torch.float64:
-            x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
-                     else torch.float64)
-        x = _dense_flat(x.resolve_neg())
-        if x.device.type == "cpu":
-            a = x.numpy()
-            rows[i] = (float(a.max()), float(a.min()), float(a.sum()) / n,
+        x = t.detach() if t.requires_grad else t
+        dtype = x.dtype
+        if dtype is not torch.float32 and dtype is not torch.float64:
+            if x.is_complex():
+                x = x.abs()
+            if x.dtype is not torch.float32 and x.dtype is not torch.float64:
+                x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
+                         else torch.float64)
+        if x.is_neg():
+            x = x.resolve_neg()
+        if x.is_cpu:
+            a = x.numpy().reshape(-1) if x.is_contiguous() else _dense_flat(x).numpy()
+            rows[i] = (float(_max(a)), float(_min(a)), float(_sum(a)) / n,
                        math.sqrt(float(np.dot(a, a))))
             continue
+        x = _dense_flat(x)
         low, high = torch.aminmax(x)
         parts.append(torch.stack((high, low, x.sum(), torch.linalg.vector_norm(x))).double())
         where.append((i, n))
