@@ -249,3 +249,67 @@ def test_kernels_are_not_captured_outside_selected_layers(tmp_path, llama):
     finally:
         llama.model.norm._forward_pre_hooks.clear()
     assert seen and all(m is None for m in seen)
+
+
+def _row_matches_its_file(r) -> bool:
+    from atb_probe.tools.reader import load_tensor
+    t = load_tensor(r["Tensor Path"])
+    if t.numel() == 0:
+        return r["Max"] == "N/A"
+    x = t.abs() if t.is_complex() else t
+    x = x.double() if not x.is_floating_point() else x.float()
+    want = [x.max().item(), x.min().item(), x.sum().item() / x.numel(),
+            torch.linalg.vector_norm(x).item()]
+    got = [float(r[k]) for k in ("Max", "Min", "Mean", "Norm")]
+    return got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_reused_statistics_always_describe_the_values_of_the_moment(tmp_path):
+    """Statistics are computed once per state of a tensor's memory and reused for its views,
+    for the next kernel's inputs and across rounds. In-place kernels, views of changed memory,
+    weights changed between rounds: every row must still equal the statistics of the bytes
+    written for it at that moment."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            y = self.lin(x)              # fresh output: cached
+            v = y.view(-1)               # a view kernel: reuses y's statistics
+            y.mul_(-2.0)                 # in place: y and v change
+            w = y.view(3, 6).t()         # a view of the changed memory
+            z = torch.relu(w)            # input w: must not reuse the old statistics
+            v.add_(1.0)                  # in place through the first view
+            y.view(-1)                   # a view of memory changed before, made in a kernel
+            y.add_(5.0)
+            d = torch.relu(y.data)       # `.data`: same memory, a version counter of its own
+            return z + y.sum() + d.sum(), v.view(2, 9), torch.conj(torch.complex(y, y)).imag
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)[1].view(3, 6)
+            return x
+
+    net = Net()
+    x = torch.randn(3, 6)
+
+    def run():
+        with torch.no_grad():
+            net(x)
+            net.blocks[0].lin.weight.mul_(3.0)  # a weight changed in place between rounds
+            net(x)
+            net(x)
+
+    root = dump(tmp_path, config(task="all", save_child=True, filter_level=1), run)
+    checked = 0
+    for round_dir in sorted(only_proc(root).iterdir()):
+        for r in read_csv(round_dir / "statistic.csv"):
+            assert _row_matches_its_file(r), r
+            checked += 1
+    assert checked > 100

@@ -100,7 +100,7 @@ class Frame:
 
     __slots__ = ("op_id", "name", "full_name", "rel", "children", "dump", "dump_children",
                  "passthrough", "track", "container", "nodes", "layer", "inputs", "outputs",
-                 "param")
+                 "param", "reuse")
 
     def __init__(self, op_id="", name="", full_name="", rel="", dump=False, dump_children=False,
                  passthrough=True, track=False, container=False, layer=None):
@@ -119,6 +119,7 @@ class Frame:
         self.inputs = 0               # number of input tensors (for structure files)
         self.outputs = 0
         self.param = None             # op_param.json content, once known
+        self.reuse = None             # kernels: statistics of inputs for the outputs (statscache)
 
 
 class Round:
@@ -395,6 +396,7 @@ class Engine:
             dump, _ = rnd.selection.child_selected(op_id, full_name, kname, top.dump_children)
             frame = Frame(op_id, kname, full_name, f"{top.rel}/{index}_{kname}", dump, False,
                           passthrough=True, track=False, layer=top.layer)
+            frame.reuse = not written  # a kernel writing its arguments changes their values
             pairs = bind_kernel_args(names, args, kwargs)
             self.recorder.kernel_inputs(rnd, frame, op_name, pairs)
         except Exception as exc:

@@ -15,12 +15,11 @@ from .. import log
 from ..binfile import encode_header, encode_reference
 from ..naming import sanitize
 from ..statcsv import HEADER, NA
-from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, same_bytes_key,
-                      statistics)
+from .statscache import StatsCache
+from .tensors import dtype_of, flatten, host_bytes, is_dumpable, same_bytes_key
 
 CSV_NAME = "statistic.csv"
 MAX_PARAM_SHAPES = 256
-MAX_CACHED_STATS = 4096
 
 
 class Recorder:
@@ -31,7 +30,7 @@ class Recorder:
         self._static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._layer_files: dict[tuple[str, str], int] = {}  # (name, id) -> nodes written
         self._phases: set[str] = set()
-        self._stats_cache: dict = {}  # see input_statistics
+        self.stats = StatsCache()
 
     # -- module ops -------------------------------------------------------------------------
 
@@ -130,27 +129,33 @@ class Recorder:
         prefix, sub = ("intensor", "before") if inputs else ("outtensor", "after")
         level = cfg.filter_level if cfg.save_child else 0
         header_only = kernel and level >= 2
-        kept = []
+        kept, tensors = [], []
         for i, (label, t) in enumerate(items):
-            if is_dumpable(t) and dtype_of(t) is not None:
-                kept.append((i, label, t))
+            dt = dtype_of(t) if is_dumpable(t) else None
+            if dt is not None:
+                kept.append((i, label, t, dt))
+                tensors.append(t)
             else:
                 log.warn_once(f"skip-{type(t).__name__}-{getattr(t, 'dtype', '')}",
                               f"cannot dump a {type(t).__name__} of dtype "
                               f"{getattr(t, 'dtype', '?')} ({frame.full_name}); skipped")
         if cfg.wants_statistics or header_only:
-            tensors = [t for _, _, t in kept]
-            stats = self.input_statistics(tensors) if inputs else statistics(tensors)
+            if not kernel:
+                stats, _ = self.stats.side(tensors)
+            elif inputs:
+                stats, seen = self.stats.side(tensors, remember_inputs=frame.reuse)
+                frame.reuse = seen
+            else:
+                stats, _ = self.stats.side(tensors, kernel_output=True, inputs_seen=frame.reuse)
         else:
             stats = [None] * len(kept)
         rows, labels = [], []
         op_dir = f"{rnd.rel}/{frame.rel}/{sub}"
         layer = frame.layer
-        for (i, label, t), st in zip(kept, stats):
+        for (i, label, t, dt), st in zip(kept, stats):
             index = f"{i}_{_safe_label(label)}" if named and label else str(i)
             labels.append(index)
-            dt = dtype_of(t)
-            dims = tuple(t.shape)
+            dims = t.shape
             path = NA
             if cfg.wants_tensors:
                 fname = f"{prefix}{index}.bin"
@@ -183,34 +188,6 @@ class Recorder:
             else:
                 probe.writer.put_records(rnd.rel, CSV_NAME, rows, HEADER)
         return labels
-
-    def input_statistics(self, tensors) -> list:
-        """`statistics`, reusing the values of an input whose bytes did not change since they
-        were computed (typically a weight, seen again in every round).
-
-        A cached value is keyed by the tensor's memory, layout and version counter, and is valid
-        while the tensor owning that memory (the view's base) is alive: its memory cannot have
-        been reused, and every in-place change bumps the shared version counter. Inputs only:
-        a view made inside a kernel gets its base's counter after the kernel returns."""
-        cache = self._stats_cache
-        results, missing = [None] * len(tensors), []
-        for i, t in enumerate(tensors):
-            key = _stats_key(t)
-            hit = cache.get(key) if key is not None else None
-            if hit is not None and hit[0]() is not None:
-                results[i] = hit[1]
-            else:
-                missing.append((i, key))
-        if missing:
-            if len(cache) > MAX_CACHED_STATS:
-                cache.clear()
-            computed = statistics([tensors[i] for i, _ in missing])
-            for (i, key), value in zip(missing, computed):
-                results[i] = value
-                if key is not None and value is not None:
-                    owner = tensors[i]._base if tensors[i]._base is not None else tensors[i]
-                    cache[key] = (weakref.ref(owner), value)
-        return results
 
     # -- structure files --------------------------------------------------------------------
 
@@ -285,16 +262,6 @@ def _node(frame) -> dict:
 
 def _count(node: dict) -> int:
     return sum(1 + _count(n) for n in node["nodes"])
-
-
-def _stats_key(t):
-    """Memory, layout, dtype and version of a tensor; None when it has no version counter
-    (inference tensors) or no storage."""
-    try:
-        return (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
-                t.dtype, tuple(t.shape), tuple(t.stride()), t._version)
-    except Exception:
-        return None
 
 
 def _lookup(layer, key, t):

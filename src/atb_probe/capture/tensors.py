@@ -18,16 +18,21 @@ from ..dtypes import BY_TORCH_NAME, DType
 _max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
 
 
+_BY_DTYPE: dict = {getattr(torch, d.torch_name): d for d in BY_TORCH_NAME.values()
+                   if hasattr(torch, d.torch_name)}
+
+
 def dtype_of(t: torch.Tensor) -> DType | None:
     """The table entry of a tensor's dtype; None for dtypes the format cannot hold."""
-    return BY_TORCH_NAME.get(str(t.dtype).rpartition(".")[2])
+    return _BY_DTYPE.get(t.dtype)
 
 
 def is_dumpable(t) -> bool:
     """A real, dense tensor whose bytes can be read (not meta/fake/sparse/nested)."""
-    if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
+    cls = type(t)
+    if cls is not torch.Tensor and cls is not torch.nn.Parameter:
         return False
-    return t.layout is torch.strided and t.device.type != "meta" and not t.is_nested
+    return t.layout is torch.strided and not t.is_meta and not t.is_nested
 
 
 def flatten(value, label: str, out: list, params: dict, name_items: bool, depth: int = 0) -> None:
@@ -136,19 +141,27 @@ def statistics(tensors: list[torch.Tensor]) -> list[tuple[float, float, float, f
     return rows
 
 
-def _dense_flat(x: torch.Tensor) -> torch.Tensor:
-    """`x` as a 1-D tensor over the same memory when its elements fill it densely in some order
-    (contiguous, transposed, permuted), else a contiguous copy."""
-    if x.is_contiguous():
-        return x.view(-1)
+def is_dense(x: torch.Tensor) -> bool:
+    """Whether `x`'s elements fill its memory densely in some order (contiguous, transposed,
+    permuted)."""
     expected = 1
     for size, stride in sorted(zip(x.shape, x.stride()), key=lambda p: p[1]):
         if size == 1:
             continue
         if stride != expected:
-            return x.reshape(-1)
+            return False
         expected *= size
-    return x.as_strided((x.numel(),), (1,))
+    return True
+
+
+def _dense_flat(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a 1-D tensor over the same memory when its elements fill it densely in some order
+    (contiguous, transposed, permuted), else a contiguous copy."""
+    if x.is_contiguous():
+        return x.view(-1)
+    if is_dense(x):
+        return x.as_strided((x.numel(),), (1,))
+    return x.reshape(-1)
 
 
 def host_bytes(t: torch.Tensor):
@@ -174,13 +187,13 @@ def host_bytes(t: torch.Tensor):
 def same_bytes_key(t: torch.Tensor):
     """What identifies the bytes a tensor's file would hold, or None when it has no such key.
 
-    Contiguous tensors with the same storage, offset, dtype and element count hold the same
-    bytes whatever their shape (a reshaped view). A non-contiguous view holds the same bytes as
+    Contiguous tensors with the same storage, offset, dtype, element count and lazy
+    negation/conjugation hold the same bytes whatever their shape (a reshaped view). A non-contiguous view holds the same bytes as
     another only with the same shape and strides too (the same view, e.g. a transposed weight
     handed from `aten.t` to `aten.mm`)."""
     try:
         key = (t.device.type, t.device.index, t.untyped_storage().data_ptr(),
-               t.storage_offset(), t.dtype, t.numel())
+               t.storage_offset(), t.dtype, t.numel(), t.is_neg(), t.is_conj())
         return key if t.is_contiguous() else key + (tuple(t.shape), tuple(t.stride()))
     except Exception:  # subclasses, tensors without storage
         return None

@@ -1,0 +1,140 @@
+"""Statistics computed once per state of a tensor's memory, not once per appearance.
+
+With `save_child` the same values show up again and again: a kernel's output is the next
+kernel's input, a view (`aten.view`, `aten.t`, `aten.unsqueeze`...) holds the values of its
+input, and every weight is an input in every round. Max, min, sum and norm depend only on the
+multiset of values, and `statistics` reduces a dense tensor in storage order, so two tensors
+over the same dense memory get bit-identical results.
+
+A cached value is keyed by that memory (device, storage address, offset, dtype, element count,
+lazy negation; plus shape and strides for a view with gaps) and by the value of the version
+counter, and is used only for a tensor owned by the very tensor it was computed from (itself,
+or its view base) while that one is alive: its memory cannot have been reused meanwhile, and
+every in-place change through PyTorch bumps the counter they share. (`.data` makes an alias
+with a counter of its own, starting at 0: the owner check keeps it from matching.)
+
+One exception makes kernel outputs special. Inside `__torch_dispatch__` a view made by the
+kernel does not share its base's version counter yet (autograd's view tracking sits above the
+Python dispatch key and links them only after the kernel returns), so a kernel output is never
+looked up in the cache. Instead it reuses the statistics of one of the same kernel's inputs
+over the same memory (a view kernel), which is safe when the kernel writes to none of its
+arguments; and its own statistics are cached only when it owns fresh memory (no input shares
+its storage), whose version counter is its own for good.
+
+A write into a tensor's memory that bypasses PyTorch (through a numpy view or a raw pointer)
+bumps no version counter and is not seen.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .tensors import is_dense, statistics
+
+MAX_ENTRIES = 4096
+
+
+def memory_key(t: torch.Tensor):
+    """What the statistics of `t` are computed over, or None when it cannot be told."""
+    try:
+        key = (t.device.type, t.device.index, t.untyped_storage().data_ptr(),
+               t.storage_offset(), t.dtype, t.numel(), t.is_neg())
+    except Exception:  # subclasses, tensors without storage
+        return None
+    if t.is_contiguous() or is_dense(t):
+        return key
+    return key + (tuple(t.shape), tuple(t.stride()))
+
+
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter `t` uses: its view base, else itself. (`.data` and
+    `detach()` give aliases with a base of None: they count as owners of their own, and miss.)"""
+    base = t._base
+    return t if base is None else base
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except Exception:  # inference tensors have no version counter
+        return None
+
+
+class StatsCache:
+    """`statistics` of a side of an op, reusing earlier results (see the module docstring)."""
+
+    def __init__(self):
+        self._entries: dict = {}
+        self._limit = MAX_ENTRIES
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._limit = MAX_ENTRIES
+
+    def side(self, tensors: list, kernel_output: bool = False, inputs_seen=None,
+             remember_inputs: bool = False):
+        """Statistics of `tensors`, in order.
+
+        `kernel_output`: the tensors are a kernel's outputs, inside the dispatch; then
+        `inputs_seen` is what the same kernel's inputs left (see `remember_inputs`), or None
+        when the kernel writes to its arguments. `remember_inputs`: also return what these
+        tensors leave for the outputs of the same kernel: ({memory key: statistics}, storage
+        addresses). Returns (statistics, that or None)."""
+        entries = self._entries
+        n = len(tensors)
+        results, keys, missing = [None] * n, [None] * n, []
+        for i, t in enumerate(tensors):
+            key = memory_key(t)
+            keys[i] = key
+            if key is None:
+                missing.append(i)
+                continue
+            if kernel_output:
+                hit = inputs_seen[0].get(key) if inputs_seen else None
+                if hit is not None:
+                    results[i] = hit
+                else:
+                    missing.append(i)
+                continue
+            version = _version(t)
+            entry = entries.get(key + (version,)) if version is not None else None
+            if entry is not None and entry[0]() is _owner(t):
+                results[i] = entry[1]
+            else:
+                missing.append(i)
+        if missing:
+            computed = statistics([tensors[i] for i in missing])
+            shared = inputs_seen[1] if kernel_output and inputs_seen is not None else ()
+            keep = not kernel_output or inputs_seen is not None  # not after an in-place kernel
+            for i, value in zip(missing, computed):
+                results[i] = value
+                key = keys[i]
+                if value is None or key is None or not keep:
+                    continue
+                t = tensors[i]
+                if kernel_output and key[2] in shared:
+                    continue  # memory shared with an input: a view's counter is not its own yet
+                version = _version(t)
+                if version is not None:
+                    self._store(key + (version,), _owner(t), value)
+        remembered = None
+        if remember_inputs:
+            remembered = ({k: v for k, v in zip(keys, results) if k is not None and v is not None},
+                          {k[2] for k in keys if k is not None})
+        return results, remembered
+
+    def _store(self, key, owner, value) -> None:
+        entries = self._entries
+        if len(entries) >= self._limit:
+            # Drop the entries whose tensors died (most activations); clear if that is not
+            # enough, and let the limit follow what stays alive (weights, caches).
+            for k in [k for k, (ref, _) in entries.items() if ref() is None]:
+                del entries[k]
+            if len(entries) >= self._limit * 3 // 4:
+                entries.clear()
+            self._limit = max(MAX_ENTRIES, 2 * len(entries))
+        try:
+            entries[key] = (weakref.ref(owner), value)
+        except TypeError:  # not weak-referenceable
+            pass
