@@ -83,17 +83,29 @@ class Recorder:
     # -- kernels ----------------------------------------------------------------------------
 
     def kernel_inputs(self, rnd, frame, op_name: str, pairs) -> None:
-        items, params, arg_names = [], {}, []
-        for name, value in pairs:
-            before = len(items)
-            flatten(value, name, items, params, name_items=True)
-            arg_names.extend(label for label, _ in items[before:])
+        items = []
+        # op_param.json (tensor tasks) and the structure files describe the kernel's arguments;
+        # otherwise only its tensors matter.
+        describe = frame.dump and (rnd.config.wants_tensors or frame.layer.collect)
+        if describe:
+            params, arg_names = {}, []
+            for name, value in pairs:
+                before = len(items)
+                flatten(value, name, items, params, name_items=True)
+                arg_names.extend(label for label, _ in items[before:])
+        else:
+            for name, value in pairs:
+                if isinstance(value, torch.Tensor):
+                    items.append((name, value))
+                elif isinstance(value, (tuple, list, dict)):
+                    flatten(value, name, items, {}, name_items=True)
         frame.inputs = len(items)
         if frame.dump:
             self.write_side(rnd, frame, "input", items, named=False, kernel=True)
-            frame.param = {"op": op_name, "type": frame.name,
-                           "inputs": {f"intensor{i}": n for i, n in enumerate(arg_names)},
-                           "args": params}
+            if describe:
+                frame.param = {"op": op_name, "type": frame.name,
+                               "inputs": {f"intensor{i}": n for i, n in enumerate(arg_names)},
+                               "args": params}
 
     def kernel_outputs(self, rnd, frame, out) -> None:
         items = []
@@ -126,9 +138,7 @@ class Recorder:
         cfg = rnd.config
         probe = self.probe
         inputs = side == "input"
-        prefix, sub = ("intensor", "before") if inputs else ("outtensor", "after")
-        level = cfg.filter_level if cfg.save_child else 0
-        header_only = kernel and level >= 2
+        header_only = kernel and cfg.save_child and cfg.filter_level >= 2
         kept, tensors = [], []
         for i, (label, t) in enumerate(items):
             dt = dtype_of(t) if is_dumpable(t) else None
@@ -149,6 +159,30 @@ class Recorder:
                 stats, _ = self.stats.side(tensors, kernel_output=True, inputs_seen=frame.reuse)
         else:
             stats = [None] * len(kept)
+        layer = frame.layer
+        if not cfg.wants_tensors:
+            head = (probe.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id, side)
+            labels = [f"{i}_{_safe_label(label)}" if named and label else str(i)
+                      for i, label, _, _ in kept]
+            rows = [(*head, index, dt.csv_name, "nd", t.shape, st, NA)
+                    for (_, _, t, dt), st, index in zip(kept, stats, labels)]
+        else:
+            rows, labels = self._write_tensors(rnd, frame, side, kept, stats, named, kernel)
+        if rows:
+            if layer is not None:
+                layer.rows.extend(rows)
+            else:
+                probe.writer.put_records(rnd.rel, CSV_NAME, rows, HEADER)
+        return labels
+
+    def _write_tensors(self, rnd, frame, side, kept, stats, named, kernel):
+        """Queue the `.bin` files of one side (data, or references under filter_level 1 and 2);
+        returns its statistic.csv records and index labels."""
+        cfg = rnd.config
+        probe = self.probe
+        prefix, sub = ("intensor", "before") if side == "input" else ("outtensor", "after")
+        level = cfg.filter_level if cfg.save_child else 0
+        header_only = kernel and level >= 2
         rows, labels = [], []
         op_dir = f"{rnd.rel}/{frame.rel}/{sub}"
         layer = frame.layer
@@ -156,38 +190,31 @@ class Recorder:
             index = f"{i}_{_safe_label(label)}" if named and label else str(i)
             labels.append(index)
             dims = t.shape
-            path = NA
-            if cfg.wants_tensors:
-                fname = f"{prefix}{index}.bin"
-                in_round = f"{frame.rel}/{sub}/{fname}"
-                if header_only:
-                    probe.writer.put_file(op_dir, fname, [encode_reference(dt.code, dims,
-                                                                           in_round)], 0)
+            fname = f"{prefix}{index}.bin"
+            in_round = f"{frame.rel}/{sub}/{fname}"
+            if header_only:
+                probe.writer.put_file(op_dir, fname, [encode_reference(dt.code, dims, in_round)],
+                                      0)
+            else:
+                key = same_bytes_key(t) if level >= 1 and t.numel() else None
+                target = _lookup(layer, key, t) if key and not (named and label) else None
+                if target is not None:
+                    probe.writer.put_file(op_dir, fname,
+                                          [encode_reference(dt.code, dims, target)], 0)
+                    # This alias keeps the storage alive now, maybe after the first one died.
+                    layer.written[key] = (weakref.ref(t), target)
                 else:
-                    key = same_bytes_key(t) if level >= 1 and t.numel() else None
-                    target = _lookup(layer, key, t) if key and not (named and label) else None
-                    if target is not None:
-                        probe.writer.put_file(op_dir, fname,
-                                              [encode_reference(dt.code, dims, target)], 0)
-                        # This alias keeps the storage alive now, maybe after the first one died.
-                        layer.written[key] = (weakref.ref(t), target)
-                    else:
-                        data = host_bytes(t)
-                        probe.writer.put_file(op_dir, fname,
-                                              [encode_header(dt.code, dims, data.nbytes), data],
-                                              data.nbytes)
-                        if key is not None and layer is not None:
-                            layer.written[key] = (weakref.ref(t), in_round)
-                path = f"{probe.tree.root}/{op_dir}/{fname}"
+                    data = host_bytes(t)
+                    probe.writer.put_file(op_dir, fname,
+                                          [encode_header(dt.code, dims, data.nbytes), data],
+                                          data.nbytes)
+                    if key is not None and layer is not None:
+                        layer.written[key] = (weakref.ref(t), in_round)
+            path = f"{probe.tree.root}/{op_dir}/{fname}"
             # A record: formatted on the writer thread (statcsv.format_records).
             rows.append((probe.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id,
                          side, index, dt.csv_name, "nd", dims, st, path))
-        if rows:
-            if layer is not None:
-                layer.rows.extend(rows)
-            else:
-                probe.writer.put_records(rnd.rel, CSV_NAME, rows, HEADER)
-        return labels
+        return rows, labels
 
     # -- structure files --------------------------------------------------------------------
 

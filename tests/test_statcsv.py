@@ -1,0 +1,46 @@
+"""statistic.csv text: the fast record formatter writes exactly what `csv.writer` would."""
+from __future__ import annotations
+
+import csv
+import io
+import math
+
+from hypothesis import given, settings, strategies as st
+
+from atb_probe.statcsv import NA, format_number, format_records
+
+TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=12) | \
+    st.sampled_from(['a,b', '"q"', 'line\nbreak', 'cr\r', '', ' lead', 'N/A'])
+FLOAT = st.floats(allow_nan=True, allow_infinity=True, width=64)
+RECORD = st.tuples(*([TEXT] * 9), st.lists(st.integers(0, 10 ** 6), max_size=5).map(tuple),
+                   st.none() | st.tuples(FLOAT, FLOAT, FLOAT, FLOAT), TEXT)
+
+
+def _reference(records) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    for r in records:
+        stats = [NA] * 4 if r[10] is None else [format_number(v) for v in r[10]]
+        writer.writerow([*r[:9], "x".join(str(d) for d in r[9]), *stats, r[11]])
+    return buf.getvalue()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(RECORD, max_size=6))
+def test_records_format_as_csv_writer_does(records):
+    text = format_records(records)
+    if not any("\r" in cell for r in records for cell in (*r[:9], r[11])):
+        assert text == _reference(records)  # (csv.writer leaves a lone \r unquoted; we quote)
+    parsed = list(csv.reader(io.StringIO(text, newline="")))
+    assert len(parsed) == len(records)
+    for row, r in zip(parsed, records):
+        assert row[:9] == list(r[:9]) and row[14] == r[11]
+        if r[10] is not None:
+            for cell, value in zip(row[10:14], r[10]):
+                assert (math.isnan(value) and cell == "nan") or float(cell) == value
+
+
+def test_numbers_round_trip_and_name_special_values():
+    assert [format_number(v) for v in (0.1, -0.0, 1e-300, float("inf"), -float("inf"))] == \
+        ["0.1", "-0.0", "1e-300", "inf", "-inf"]
+    assert format_number(float("nan")) == "nan" and format_number(None) == NA
