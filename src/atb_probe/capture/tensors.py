@@ -106,39 +106,59 @@ def statistics(tensors: list[torch.Tensor]) -> list[tuple[float, float, float, f
 
     Accumulated in float32 (float64 for double and integer tensors), over the tensor's memory in
     storage order (a transposed view is reduced as fast as its base); means are sums divided by
-    the element count. CPU tensors are reduced by numpy: single-threaded, so a busy machine's
-    thread pool never makes a small reduction wait. Accelerator tensors are reduced on their
-    device, and all of an op's results come back in one host transfer."""
+    the element count. Where a float32 sum or sum of squares overflows although every element is
+    finite (values beyond ~1e19), that tensor is summed again in float64, so a representable
+    norm is never reported as inf. inf and nan in the data are results here, not errors: numpy
+    is kept from warning about them in the user's process.
+
+    CPU tensors are reduced by numpy: single-threaded, so a busy machine's thread pool never
+    makes a small reduction wait. Accelerator tensors are reduced on their device, and all of an
+    op's results come back in one host transfer."""
     rows: list = [None] * len(tensors)
     parts, where = [], []
-    for i, t in enumerate(tensors):
-        n = t.numel()
-        if n == 0:
-            continue
-        x = t.detach() if t.requires_grad else t
-        dtype = x.dtype
-        if dtype is not torch.float32 and dtype is not torch.float64:
-            if x.is_complex():
-                x = x.abs()
-            if x.dtype is not torch.float32 and x.dtype is not torch.float64:
-                x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
-                         else torch.float64)
-        if x.is_neg():
-            x = x.resolve_neg()
-        if x.is_cpu:
-            a = x.numpy().reshape(-1) if x.is_contiguous() else _dense_flat(x).numpy()
-            rows[i] = (float(_max(a)), float(_min(a)), float(_sum(a)) / n,
-                       math.sqrt(float(np.dot(a, a))))
-            continue
-        x = _dense_flat(x)
-        low, high = torch.aminmax(x)
-        parts.append(torch.stack((high, low, x.sum(), torch.linalg.vector_norm(x))).double())
-        where.append((i, n))
+    with np.errstate(all="ignore"):
+        for i, t in enumerate(tensors):
+            n = t.numel()
+            if n == 0:
+                continue
+            x = t.detach() if t.requires_grad else t
+            dtype = x.dtype
+            if dtype is not torch.float32 and dtype is not torch.float64:
+                if x.is_complex():
+                    x = x.abs()
+                if x.dtype is not torch.float32 and x.dtype is not torch.float64:
+                    x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
+                             else torch.float64)
+            if x.is_neg():
+                x = x.resolve_neg()
+            if x.is_cpu:
+                a = x.numpy().reshape(-1) if x.is_contiguous() else _dense_flat(x).numpy()
+                high, low, total, squares = (float(_max(a)), float(_min(a)), float(_sum(a)),
+                                             float(np.dot(a, a)))
+                if _overflowed(high, low, total, squares):
+                    a = a.astype(np.float64)
+                    total, squares = float(_sum(a)), float(np.dot(a, a))
+                rows[i] = (high, low, total / n, math.sqrt(squares))
+                continue
+            x = _dense_flat(x)
+            low, high = torch.aminmax(x)
+            parts.append(torch.stack((high, low, x.sum(), torch.linalg.vector_norm(x))).double())
+            where.append((i, n))
     if parts:
         values = torch.stack(parts).tolist()
         for (i, n), (high, low, total, norm) in zip(where, values):
+            if _overflowed(high, low, total, norm):
+                x = tensors[i].detach()
+                x = _dense_flat(x.abs() if x.is_complex() else x.resolve_neg()).double()
+                total, norm = torch.stack((x.sum(), torch.linalg.vector_norm(x))).tolist()
             rows[i] = (high, low, total / n, norm)
     return rows
+
+
+def _overflowed(high: float, low: float, total: float, squares: float) -> bool:
+    """A float32 sum (or sum of squares) went infinite while every element is finite."""
+    return not (math.isfinite(total) and math.isfinite(squares)) and \
+        math.isfinite(high) and math.isfinite(low)
 
 
 def is_dense(x: torch.Tensor) -> bool:

@@ -1,0 +1,134 @@
+"""Per-op cost of the probe's own code, without a model's arithmetic around it.
+
+`run.py` measures whole generations; this measures what one op costs the probe on the model's
+thread, on tiny modules whose own work is a few microseconds, so that a change to the probe's
+Python shows up clearly (and steadily: the best of several repeats, the garbage collector
+paused). Each timed call is one round of many ops, and the writer is flushed between calls,
+outside the timing: what the writer's thread costs the model (it competes for the GIL and the
+cores) is `run.py`'s business.
+
+    python bench/micro.py            # every case
+    python bench/micro.py --gc       # with the garbage collector running, as in real use
+
+Cases: `layer-stat` (statistics of layer-level ops whose inputs look like a decoder
+layer's: hidden state, two position embeddings, two index tensors, a cache object),
+`kernel-track` (every kernel tracked, nothing written) and `kernel-stat` (statistics of every
+kernel: views, a matmul and element-wise ops, as in a Linear). Each prints the un-probed and
+probed time per op and their difference.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+import atb_probe
+
+LAYERS = 128
+
+
+class DecoderLikeLayer(nn.Module):
+    """A layer-level op with a decoder layer's kind of arguments and almost no work."""
+
+    def forward(self, hidden, position_ids=None, cache_position=None, position_embeddings=None,
+                past_key_values=None, use_cache=False):
+        return hidden + 1.0
+
+
+class KernelLayer(nn.Module):
+    """Five rounds of view / t / mm / view / mul / add: 30 kernels per call."""
+
+    KERNELS = 30
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 64) / 16)  # keeps values finite
+
+    def forward(self, h):
+        for _ in range(5):
+            h = torch.mm(h.view(4, 64), self.weight.t()).view(1, 4, 64)
+            h = h * 0.5 + 1.0
+        return h
+
+
+class Stack(nn.Module):
+    def __init__(self, layer_type):
+        super().__init__()
+        self.layers = nn.ModuleList([layer_type() for _ in range(LAYERS)])
+
+    def forward(self, hidden, **kwargs):
+        for layer in self.layers:
+            hidden = layer(hidden, **kwargs)
+        return hidden
+
+
+def _config(**overrides) -> dict:
+    base = {"task": "statistics", "dump_enable": True, "exec_range": "all", "ids": "",
+            "op_name": "", "save_child": False, "device": "", "filter_level": 1}
+    return {**base, **overrides}
+
+
+def _cases():
+    hidden = torch.randn(1, 1, 256)
+    cos_sin = (torch.randn(1, 1, 64), torch.randn(1, 1, 64))
+    layer_args = ((hidden,), {"position_ids": torch.arange(1)[None],
+                              "cache_position": torch.arange(1),
+                              "position_embeddings": cos_sin,
+                              "past_key_values": object(), "use_cache": True})
+    kernel_args = ((torch.randn(1, 4, 64),), {})
+    return [
+        ("layer-stat", Stack(DecoderLikeLayer), layer_args, _config(), 1),
+        ("kernel-track", Stack(KernelLayer), kernel_args,
+         _config(save_child=True, op_name="no_such_op"), KernelLayer.KERNELS),
+        ("kernel-stat", Stack(KernelLayer), kernel_args, _config(save_child=True),
+         KernelLayer.KERNELS),
+    ]
+
+
+def _best_time(model, args, kwargs, repeats: int) -> float:
+    """The fastest of `repeats` calls (rounds), the writer flushed before each."""
+    best = float("inf")
+    for _ in range(repeats):
+        probe = atb_probe.active()
+        if probe is not None:
+            probe.writer.flush(60)
+        start = time.perf_counter()
+        model(*args, **kwargs)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gc", action="store_true", help="leave the garbage collector on")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="timed rounds per case; the fastest is kept")
+    opts = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if not opts.gc:
+        gc.disable()
+    print(f"{'case':<14}{'un-probed us/op':>17}{'probed us/op':>14}{'probe us/op':>13}")
+    with torch.no_grad():
+        for name, model, (args, kwargs), config, ops_per_layer in _cases():
+            ops = LAYERS * ops_per_layer
+            _best_time(model, args, kwargs, 3)
+            plain = _best_time(model, args, kwargs, opts.repeats) / ops
+            with tempfile.TemporaryDirectory() as out:
+                atb_probe.enable(out, config)
+                try:
+                    _best_time(model, args, kwargs, 3)
+                    probed = _best_time(model, args, kwargs, opts.repeats) / ops
+                finally:
+                    atb_probe.disable(timeout=60)
+            print(f"{name:<14}{plain * 1e6:>17.1f}{probed * 1e6:>14.1f}"
+                  f"{(probed - plain) * 1e6:>13.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
