@@ -54,6 +54,9 @@ def format_records(records: Iterable[tuple]) -> str:
     lines = []
     cells: dict = {}   # text cell -> its csv form (names repeat from row to row)
     shapes: dict = {}  # shape -> "AxBxC"
+    # Statistics tuples are shared between the rows of the same values (a view, the next
+    # kernel's input): each is formatted once. Keyed by id: `records` keeps them all alive.
+    numbers: dict = {id(None): _NA_STATS}
     for r in records:
         head = cells.get(r[:9])
         if head is None:
@@ -62,8 +65,9 @@ def format_records(records: Iterable[tuple]) -> str:
         if shape is None:
             shape = shapes[r[9]] = "x".join(map(str, r[9]))
         st = r[10]
-        stats = _NA_STATS if st is None else \
-            f"{format_number(st[0])},{format_number(st[1])},{format_number(st[2])}," \
-            f"{format_number(st[3])}"
+        stats = numbers.get(id(st))
+        if stats is None:
+            stats = numbers[id(st)] = f"{format_number(st[0])},{format_number(st[1])}," \
+                                      f"{format_number(st[2])},{format_number(st[3])}"
         lines.append(f"{head},{shape},{stats},{_cell(r[11])}\n")
     return "".join(lines)
