@@ -16,7 +16,6 @@ other call goes straight to the original `__call__` after one stack check.
 """
 from __future__ import annotations
 
-import inspect
 import sys
 import threading
 import weakref
@@ -26,6 +25,7 @@ from torch import nn
 
 from ..naming import sanitize
 from ..selection import LayerPlan, SKIP_LAYER
+from .arguments import forward_params
 from .kernels import KernelCapture, bind_kernel_args, kernel_info
 from .recorder import Recorder
 
@@ -40,59 +40,12 @@ class ModuleInfo:
     def __init__(self, module: nn.Module):
         self.name = sanitize(type(module).__name__)
         self.is_container = _is_container(module)
-        self.params = _forward_params(type(module))
+        self.params = forward_params(type(module))
 
 
 def _is_container(module: nn.Module) -> bool:
     return any(isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2
                for child in module._modules.values())
-
-
-_PARAMS_CACHE: dict = {}
-
-
-def _forward_params(cls) -> tuple:
-    """(positional names, *args name or None, keyword-able names in order) of `cls.forward`."""
-    forward = getattr(cls, "forward", None)
-    cached = _PARAMS_CACHE.get(forward)
-    if cached is not None:
-        return cached
-    positional, var_pos, ordered = [], None, []
-    try:
-        sig = inspect.signature(forward)
-        for p in list(sig.parameters.values())[1:]:  # skip self
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-                positional.append(p.name)
-                ordered.append(p.name)
-            elif p.kind is p.VAR_POSITIONAL:
-                var_pos = p.name
-            elif p.kind is p.KEYWORD_ONLY:
-                ordered.append(p.name)
-    except (TypeError, ValueError):
-        pass
-    result = (tuple(positional), var_pos, tuple(ordered))
-    _PARAMS_CACHE[forward] = result
-    return result
-
-
-def bind_module_args(params: tuple, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
-    """A forward's arguments as (parameter name, value): positional, then keywords in signature
-    order, then any other keywords."""
-    positional, var_pos, ordered = params
-    pairs = []
-    for i, value in enumerate(args):
-        if i < len(positional):
-            pairs.append((positional[i], value))
-        else:
-            pairs.append((f"{var_pos or 'args'}_{i - len(positional)}", value))
-    if kwargs:
-        for name in ordered:
-            if name in kwargs:
-                pairs.append((name, kwargs[name]))
-        for name, value in kwargs.items():
-            if name not in ordered:
-                pairs.append((name, value))
-    return pairs
 
 
 class Frame:

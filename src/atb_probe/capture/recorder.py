@@ -15,8 +15,10 @@ from .. import log
 from ..binfile import encode_header, encode_reference
 from ..naming import sanitize
 from ..statcsv import HEADER, NA
+from .arguments import bind_module_args
 from .statscache import StatsCache
-from .tensors import dtype_of, flatten, host_bytes, is_dumpable, same_bytes_key
+from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, may_hold_tensor,
+                      same_bytes_key)
 
 CSV_NAME = "statistic.csv"
 MAX_PARAM_SHAPES = 256
@@ -37,14 +39,21 @@ class Recorder:
     def module_inputs(self, rnd, frame, module, info, args, kwargs, named: bool) -> None:
         if not (frame.dump or _collecting(frame)):
             return
-        from .calltree import bind_module_args  # local: calltree imports this module
+        pairs = bind_module_args(info.params, args, kwargs)
+        # op_param.json (tensor tasks) and the structure files describe the arguments;
+        # otherwise only the tensors matter.
+        describe = rnd.config.wants_tensors or _collecting(frame)
         items, params = [], {}
-        for name, value in bind_module_args(info.params, args, kwargs):
-            flatten(value, name, items, params, name_items=True)
+        if describe:
+            for name, value in pairs:
+                flatten(value, name, items, params, name_items=True)
+        else:
+            _tensors_of(pairs, items)
         frame.inputs = len(items)
         labels = self.write_side(rnd, frame, "input", items, named, kernel=False) \
             if frame.dump else []
-        frame.param = dict(self.static_param(module), args=params, inputs=labels)
+        if describe:
+            frame.param = dict(self.static_param(module), args=params, inputs=labels)
 
     def module_outputs(self, rnd, frame, out, named: bool) -> None:
         if not (frame.dump or _collecting(frame)):
@@ -94,11 +103,7 @@ class Recorder:
                 flatten(value, name, items, params, name_items=True)
                 arg_names.extend(label for label, _ in items[before:])
         else:
-            for name, value in pairs:
-                if isinstance(value, torch.Tensor):
-                    items.append((name, value))
-                elif isinstance(value, (tuple, list, dict)):
-                    flatten(value, name, items, {}, name_items=True)
+            _tensors_of(pairs, items)
         frame.inputs = len(items)
         if frame.dump:
             self.write_side(rnd, frame, "input", items, named=False, kernel=True)
@@ -235,10 +240,13 @@ class Recorder:
             self.probe.writer.put_records(rnd.rel, CSV_NAME, rows, HEADER)
 
     def layer_done(self, rnd, frame) -> None:
+        collect = frame.layer.collect
+        if rnd.phase in self._phases and not collect:
+            return  # this phase's model file is written: nothing to describe
         node = _node(frame)
         rnd.layer_nodes.append({k: node[k] for k in ("opName", "opType", "inTensors",
                                                      "outTensors")})
-        if frame.layer.collect:
+        if collect:
             key = (frame.name, frame.op_id)
             count = _count(node)
             if self._layer_files.get(key, -1) < count:
@@ -268,6 +276,16 @@ class Recorder:
 def _safe_label(label: str) -> str:
     """A parameter label (it may come from a dict key) as a file-name part."""
     return sanitize(label, limit=64)
+
+
+def _tensors_of(pairs, items: list) -> None:
+    """`flatten` of each (name, value) pair into `items`, without rendering the other
+    values as parameters."""
+    for name, value in pairs:
+        if isinstance(value, torch.Tensor):
+            items.append((name, value))
+        elif may_hold_tensor(value):
+            flatten(value, name, items, {}, name_items=True)
 
 
 def _collecting(frame) -> bool:

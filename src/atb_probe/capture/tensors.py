@@ -51,7 +51,7 @@ def flatten(value, label: str, out: list, params: dict, name_items: bool, depth:
             flatten(item, _join(label, str(key)), out, params, name_items, depth + 1)
         return
     if isinstance(value, (tuple, list)) and not _is_namedtuple_like(value):
-        if not any(_may_hold_tensor(v) for v in value):
+        if not any(may_hold_tensor(v) for v in value):
             params[label or "value"] = _plain(value)
             return
         for i, item in enumerate(value):
@@ -79,7 +79,7 @@ def _is_namedtuple_like(value) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")
 
 
-def _may_hold_tensor(value) -> bool:
+def may_hold_tensor(value) -> bool:
     return isinstance(value, (torch.Tensor, tuple, list, dict)) or dataclasses.is_dataclass(value)
 
 
