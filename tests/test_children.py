@@ -313,3 +313,69 @@ def test_reused_statistics_always_describe_the_values_of_the_moment(tmp_path):
             assert _row_matches_its_file(r), r
             checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("overrides", [
+    {},                                                     # layer-level ops only
+    {"save_child": True},                                   # every child module and kernel
+    {"save_child": True, "op_name": "no_such_op"},          # tracked, nothing written
+    {"save_child": True, "task": "tensor", "filter_level": 1},
+])
+def test_an_exception_in_the_model_passes_through_once_and_the_probe_goes_on(tmp_path, capfd,
+                                                                             overrides):
+    """The model's own errors (an ATen kernel refusing its arguments, a Python error in a child
+    module) reach the caller unchanged and once; what ran before them is still recorded, and
+    the next round is dumped as usual."""
+    calls = {"mm": 0}
+
+    class Child(nn.Module):
+        def forward(self, x, fail):
+            if fail == "python":
+                raise ValueError("bad input")
+            return x * 2
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.child = Child()
+
+        def forward(self, x, fail=None):
+            y = self.child(x.view(-1, 4), fail)
+            if fail == "kernel":
+                calls["mm"] += 1
+                return torch.mm(y, torch.ones(3, 3))  # 4 columns against 3 rows
+            return y
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x, fail=None):
+            x = self.blocks[0](x)
+            return self.blocks[1](x, fail)
+
+    net = Net()
+    x = torch.randn(2, 4)
+
+    def run():
+        net(x)  # a full round first: later rounds need no structure files
+        with pytest.raises(RuntimeError):
+            net(x, "kernel")
+        with pytest.raises(ValueError, match="bad input"):
+            net(x, "python")
+        net(x)
+
+    root = dump(tmp_path, config(**overrides), run)
+    assert calls["mm"] == 1
+    assert "internal error" not in capfd.readouterr().err
+    if overrides.get("op_name"):
+        assert not list((root / "data").rglob("*.csv"))  # tracked, nothing written
+        return
+    proc = only_proc(root)
+    assert sorted(int(p.name) for p in proc.iterdir()) == [0, 1, 2, 3]
+    for index in (1, 2):  # the first block ran before each failure and is recorded
+        rows = read_csv(proc / str(index) / "statistic.csv")
+        assert any(r["Op Id"] == "0" for r in rows)
+    last = read_csv(proc / "3" / "statistic.csv")
+    assert {r["Op Id"] for r in last} >= {"0", "1"}

@@ -347,23 +347,29 @@ class Engine:
             op_id = f"{top.op_id}_{index}"
             full_name = f"{top.full_name}/{kname}"
             dump, _ = rnd.selection.child_selected(op_id, full_name, kname, top.dump_children)
-            frame = Frame(op_id, kname, full_name, f"{top.rel}/{index}_{kname}", dump, False,
-                          passthrough=True, track=False, layer=top.layer)
-            frame.reuse = not written  # a kernel writing its arguments changes their values
-            pairs = bind_kernel_args(names, args, kwargs)
-            self.recorder.kernel_inputs(rnd, frame, op_name, pairs)
+            # Neither written nor described in a structure file (and writing to nothing that
+            # filter_level 1 may refer to): the kernel only takes its ID.
+            record = dump or top.layer.collect
+            if record or written:
+                frame = Frame(op_id, kname, full_name, f"{top.rel}/{index}_{kname}", dump,
+                              False, passthrough=True, track=False, layer=top.layer)
+                frame.reuse = not written  # a kernel writing its arguments changes their values
+                pairs = bind_kernel_args(names, args, kwargs)
+                if record:
+                    self.recorder.kernel_inputs(rnd, frame, op_name, pairs)
         except Exception as exc:
             self.probe.report(exc)
             frame = None
         out = func(*args, **kwargs)
         if frame is not None:
             try:
-                if frame.dump and op_name.startswith("c10d."):
+                if dump and op_name.startswith("c10d."):
                     _wait_for_collective(out)
                 if written:
                     self.recorder.forget_written(frame.layer, pairs, written)
-                self.recorder.kernel_outputs(rnd, frame, out)
-                self.recorder.child_done(top, frame)
+                if record:
+                    self.recorder.kernel_outputs(rnd, frame, out)
+                    self.recorder.child_done(top, frame)
             except Exception as exc:
                 self.probe.report(exc)
         return out
