@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 from typing import Iterable, Sequence
 
 COLUMNS = ("Device and PID", "Execution Count", "Op Name", "Op Type", "Op Id", "Input/Output",

@@ -1,5 +1,5 @@
-"""A module call's arguments by parameter name: what `forward`'s signature says, read once per
-class."""
+"""Call arguments by parameter name: what a module's `forward` signature (read once per class)
+or a kernel's schema says."""
 from __future__ import annotations
 
 import inspect
@@ -31,9 +31,10 @@ def forward_params(cls) -> tuple:
     return result
 
 
-def bind_module_args(params: tuple, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
-    """A forward's arguments as (parameter name, value): positional, then keywords in signature
-    order, then any other keywords."""
+def bind_args(params: tuple, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
+    """A call's arguments as (parameter name, value): positional, then keywords in signature
+    order, then any other keywords. `params` is (positional names, *args name or None,
+    keyword-able names in order): `forward_params` of a module, `kernel_info` of a kernel."""
     positional, var_pos, ordered = params
     pairs = []
     for i, value in enumerate(args):

@@ -25,8 +25,8 @@ from torch import nn
 
 from ..naming import sanitize
 from ..selection import LayerPlan, SKIP_LAYER
-from .arguments import forward_params
-from .kernels import KernelCapture, bind_kernel_args, kernel_info
+from .arguments import bind_args, forward_params
+from .kernels import KernelCapture, kernel_info
 from .recorder import Recorder
 
 _CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
@@ -341,7 +341,7 @@ class Engine:
         rnd = self.tls.round
         frame = None
         try:
-            op_name, kname, names, written = kernel_info(func)
+            op_name, kname, params, written = kernel_info(func)
             index = top.children
             top.children += 1
             op_id = f"{top.op_id}_{index}"
@@ -354,7 +354,7 @@ class Engine:
                 frame = Frame(op_id, kname, full_name, f"{top.rel}/{index}_{kname}", dump,
                               False, passthrough=True, track=False, layer=top.layer)
                 frame.reuse = not written  # a kernel writing its arguments changes their values
-                pairs = bind_kernel_args(names, args, kwargs)
+                pairs = bind_args(params, args, kwargs)
                 if record:
                     self.recorder.kernel_inputs(rnd, frame, op_name, pairs)
         except Exception as exc:

@@ -25,8 +25,9 @@ class KernelCapture(TorchDispatchMode):
 
 
 @lru_cache(maxsize=4096)
-def kernel_info(func) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
-    """(op name, `<CamelCase>Kernel` name, argument names, names of arguments written in place)."""
+def kernel_info(func) -> tuple[str, str, tuple, tuple[str, ...]]:
+    """(op name, `<CamelCase>Kernel` name, parameters for `arguments.bind_args`, names of
+    arguments written in place)."""
     op_name = str(func)
     try:
         arguments = func._schema.arguments
@@ -38,18 +39,4 @@ def kernel_info(func) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
             written = names
     except Exception:
         names, written = (), ()
-    return op_name, kernel_name(op_name), names, written
-
-
-def bind_kernel_args(names: tuple[str, ...], args: tuple, kwargs: dict) -> list[tuple[str, object]]:
-    """The kernel's arguments as (schema name, value) pairs in schema order."""
-    pairs = []
-    for i, value in enumerate(args):
-        pairs.append((names[i] if i < len(names) else f"arg{i}", value))
-    for name in names[len(args):]:
-        if name in kwargs:
-            pairs.append((name, kwargs[name]))
-    for name, value in kwargs.items():
-        if name not in names:
-            pairs.append((name, value))
-    return pairs
+    return op_name, kernel_name(op_name), (names, None, names), written

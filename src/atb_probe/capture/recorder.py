@@ -15,7 +15,7 @@ from .. import log
 from ..binfile import encode_header, encode_reference
 from ..naming import sanitize
 from ..statcsv import HEADER, NA
-from .arguments import bind_module_args
+from .arguments import bind_args
 from .statscache import StatsCache
 from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, may_hold_tensor,
                       same_bytes_key)
@@ -39,7 +39,7 @@ class Recorder:
     def module_inputs(self, rnd, frame, module, info, args, kwargs, named: bool) -> None:
         if not (frame.dump or _collecting(frame)):
             return
-        pairs = bind_module_args(info.params, args, kwargs)
+        pairs = bind_args(info.params, args, kwargs)
         # op_param.json (tensor tasks) and the structure files describe the arguments;
         # otherwise only the tensors matter.
         describe = rnd.config.wants_tensors or _collecting(frame)

@@ -6,11 +6,11 @@ input, and every weight is an input in every round. Max, min, sum and norm depen
 multiset of values, and `statistics` reduces a dense tensor in storage order, so two tensors
 over the same dense memory get bit-identical results.
 
-A cached value is keyed by that memory (device, storage address, offset, dtype, element count,
-lazy negation; plus shape and strides for a view with gaps) and by the value of the version
-counter, and is used only for a tensor owned by the very tensor it was computed from (itself,
-or its view base) while that one is alive: its memory cannot have been reused meanwhile, and
-every in-place change through PyTorch bumps the counter they share. (`.data` makes an alias
+A cached value is keyed by that memory (`tensors.storage_key`, plus shape and strides for a
+view with gaps) and by the value of the version counter, and is used only for a tensor owned
+by the very tensor it was computed from (itself, or its view base) while that one is alive:
+its memory cannot have been reused meanwhile, and every in-place change through PyTorch bumps
+the counter they share. (`.data` makes an alias
 with a counter of its own, starting at 0: the owner check keeps it from matching.)
 
 One exception makes kernel outputs special. Inside `__torch_dispatch__` a view made by the
@@ -32,16 +32,16 @@ import weakref
 
 import torch
 
-from .tensors import is_dense, statistics
+from .tensors import is_dense, statistics, storage_key
 
 MAX_ENTRIES = 4096
 
 
 def memory_key(t: torch.Tensor):
-    """What the statistics of `t` are computed over, or None when it cannot be told."""
+    """What the statistics of `t` are computed over, or None when it cannot be told: its
+    `storage_key`, plus shape and strides unless its elements fill that memory densely."""
     try:
-        key = (t.device.type, t.device.index, t.untyped_storage().data_ptr(),
-               t.storage_offset(), t.dtype, t.numel(), t.is_neg())
+        key = storage_key(t)
     except Exception:  # subclasses, tensors without storage
         return None
     if t.is_contiguous() or is_dense(t):

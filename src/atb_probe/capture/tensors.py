@@ -204,16 +204,22 @@ def host_bytes(t: torch.Tensor):
     return x.reshape(-1).view(torch.uint8).numpy()
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements start and what they are: device, storage address, offset,
+    dtype, element count, lazy negation/conjugation. Raises for tensors without storage."""
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
+            t.dtype, t.numel(), t.is_neg(), t.is_conj())
+
+
 def same_bytes_key(t: torch.Tensor):
     """What identifies the bytes a tensor's file would hold, or None when it has no such key.
 
-    Contiguous tensors with the same storage, offset, dtype, element count and lazy
-    negation/conjugation hold the same bytes whatever their shape (a reshaped view). A non-contiguous view holds the same bytes as
-    another only with the same shape and strides too (the same view, e.g. a transposed weight
-    handed from `aten.t` to `aten.mm`)."""
+    Contiguous tensors with the same `storage_key` hold the same bytes whatever their shape (a
+    reshaped view). A non-contiguous view holds the same bytes as another only with the same
+    shape and strides too (the same view, e.g. a transposed weight handed from `aten.t` to
+    `aten.mm`)."""
     try:
-        key = (t.device.type, t.device.index, t.untyped_storage().data_ptr(),
-               t.storage_offset(), t.dtype, t.numel(), t.is_neg(), t.is_conj())
+        key = storage_key(t)
         return key if t.is_contiguous() else key + (tuple(t.shape), tuple(t.stride()))
     except Exception:  # subclasses, tensors without storage
         return None
