@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import atb_probe
 from atb_probe.tools.where import scripts_dir
@@ -61,6 +62,17 @@ def generate(model, prompt_len: int = 6, new_tokens: int = 2, seed: int = 0):
         return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
 
+class Root(nn.Module):
+    """A root module whose one layer-level op is `op`: `Root(op)(x)` returns `op(x)`."""
+
+    def __init__(self, op: nn.Module):
+        super().__init__()
+        self.op = op
+
+    def forward(self, *args, **kwargs):
+        return self.op(*args, **kwargs)
+
+
 def dump(tmp: Path, cfg: dict, run) -> Path:
     """Run `run()` with the probe enabled in-process on `cfg`; the atb_dump_data root."""
     atb_probe.enable(str(tmp), cfg)
@@ -69,6 +81,13 @@ def dump(tmp: Path, cfg: dict, run) -> Path:
     finally:
         assert atb_probe.disable(timeout=60)
     return tmp / "atb_dump_data"
+
+
+def dump_first_round(tmp: Path, model, **overrides) -> Path:
+    """Dump round 0 (the prompt) of a one-token generation on `config(exec_range="0,0",
+    **overrides)`; that round's folder."""
+    root = dump(tmp, config(exec_range="0,0", **overrides), lambda: generate(model, 4, 1))
+    return only_proc(root) / "0"
 
 
 def only_proc(root: Path) -> Path:

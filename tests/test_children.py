@@ -10,7 +10,8 @@ from torch import nn
 from atb_probe import load
 from atb_probe.binfile import read_header
 
-from conftest import config, dump, generate, only_proc, op_dirs, read_csv, tiny_gpt2, tiny_llama
+from conftest import (Root, config, dump, dump_first_round, only_proc, op_dirs, read_csv,
+                      tiny_gpt2, tiny_llama)
 
 LAYER = "2_LlamaDecoderLayer"
 
@@ -20,26 +21,21 @@ def llama():
     return tiny_llama()
 
 
-def _round(tmp, model, **overrides):
-    root = dump(tmp, config(exec_range="0,0", **overrides), lambda: generate(model, 4, 1))
-    return only_proc(root) / "0"
-
-
 @pytest.fixture(scope="module")
 def level0(tmp_path_factory, llama):
-    return _round(tmp_path_factory.mktemp("l0"), llama, ids="2", save_child=True,
+    return dump_first_round(tmp_path_factory.mktemp("l0"), llama, ids="2", save_child=True,
                   filter_level=0, task="all")
 
 
 @pytest.fixture(scope="module")
 def level1(tmp_path_factory, llama):
-    return _round(tmp_path_factory.mktemp("l1"), llama, ids="2", save_child=True,
+    return dump_first_round(tmp_path_factory.mktemp("l1"), llama, ids="2", save_child=True,
                   filter_level=1, task="all")
 
 
 @pytest.fixture(scope="module")
 def level2(tmp_path_factory, llama):
-    return _round(tmp_path_factory.mktemp("l2"), llama, ids="2", save_child=True,
+    return dump_first_round(tmp_path_factory.mktemp("l2"), llama, ids="2", save_child=True,
                   filter_level=2, task="tensor")
 
 
@@ -103,35 +99,27 @@ def test_module_outputs_with_fields_are_named(tmp_path):
         def forward(self, x):
             return self.inner(x)["last_hidden_state"]
 
-    class Root(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = Layer()
-
-        def forward(self, x):
-            return self.layer(x)
-
-    root = dump(tmp_path / "m", config(save_child=True), lambda: Root()(torch.ones(2)))
+    root = dump(tmp_path / "m", config(save_child=True), lambda: Root(Layer())(torch.ones(2)))
     after = only_proc(root) / "0" / "0_Layer" / "0_Inner" / "after"
     assert sorted(p.name for p in after.iterdir()) == ["outtensor0_last_hidden_state.bin",
                                                        "outtensor1_aux.bin"]
 
 
 def test_ids_select_subtree_with_boundary_and_op_name_any_segment(tmp_path, llama):
-    round0 = _round(tmp_path / "a", llama, ids="2_1", save_child=True)
+    round0 = dump_first_round(tmp_path / "a", llama, ids="2_1", save_child=True)
     dirs = op_dirs(round0)
     assert dirs[:2] == [LAYER, f"{LAYER}/1_LlamaAttention"]
     assert all(d.startswith(f"{LAYER}/1_LlamaAttention") for d in dirs[1:])
     assert not (round0 / LAYER / "before").exists()   # the layer itself is not selected
 
-    round0 = _round(tmp_path / "b", llama, op_name="llamaattention", save_child=True)
+    round0 = dump_first_round(tmp_path / "b", llama, op_name="llamaattention", save_child=True)
     ids = {r["Op Id"] for r in read_csv(round0 / "statistic.csv")}
     assert {"2_1", "3_1", "2_1_0", "3_1_0"} <= ids
     assert not any(i in ids for i in ("2", "3", "2_0", "2_4"))
 
 
 def test_everything_at_every_depth_without_ids_or_op_name(tmp_path, llama):
-    round0 = _round(tmp_path, llama, save_child=True, task="statistics")
+    round0 = dump_first_round(tmp_path, llama, save_child=True, task="statistics")
     ops = {r["Op Id"] for r in read_csv(round0 / "statistic.csv")}
     assert {"0", "1", "2", "3", "4", "5", "2_1_0", "3_4_0"} <= ops
     assert any(i.startswith("0_") for i in ops)   # the embedding's kernels
@@ -205,17 +193,9 @@ def test_a_shared_submodule_called_twice_gets_two_ids(tmp_path):
         def forward(self, x):
             return self.proj(torch.relu(self.proj(x)))
 
-    class Root(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.block = Block()
-
-        def forward(self, x):
-            return self.block(x)
-
     with torch.no_grad():
         root = dump(tmp_path, config(save_child=True, task="statistics"),
-                    lambda: Root()(torch.randn(2, 4)))
+                    lambda: Root(Block())(torch.randn(2, 4)))
     rows = read_csv(only_proc(root) / "0" / "statistic.csv")
     linears = sorted({r["Op Id"] for r in rows if r["Op Type"] == "Linear"})
     assert linears == ["0_0", "0_2"]
@@ -224,7 +204,7 @@ def test_a_shared_submodule_called_twice_gets_two_ids(tmp_path):
 
 def test_gpt2_children_and_kernels(tmp_path):
     gpt2 = tiny_gpt2()
-    round0 = _round(tmp_path, gpt2, ids="3_1", save_child=True, task="all")
+    round0 = dump_first_round(tmp_path, gpt2, ids="3_1", save_child=True, task="all")
     dirs = op_dirs(round0)
     assert dirs[0] == "3_GPT2Block" and dirs[1] == "3_GPT2Block/1_GPT2Attention"
     assert any(d.startswith("3_GPT2Block/1_GPT2Attention/0_Conv1D") for d in dirs)
@@ -245,7 +225,7 @@ def test_kernels_are_not_captured_outside_selected_layers(tmp_path, llama):
     llama.model.norm.register_forward_pre_hook(lambda m, a: seen.append(
         _get_current_dispatch_mode()))
     try:
-        _round(tmp_path, llama, ids="2", save_child=True)
+        dump_first_round(tmp_path, llama, ids="2", save_child=True)
     finally:
         llama.model.norm._forward_pre_hooks.clear()
     assert seen and all(m is None for m in seen)

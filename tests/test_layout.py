@@ -15,7 +15,7 @@ from atb_probe.dtypes import DTYPES
 from atb_probe.statcsv import COLUMNS, HEADER
 from atb_probe.tools.reader import load_tensor
 
-from conftest import config, dump, generate, only_proc, read_csv, tiny_llama
+from conftest import Root, config, dump, generate, only_proc, read_csv, tiny_llama
 
 LLAMA_LAYERS = ["0_Embedding", "1_LlamaRotaryEmbedding", "2_LlamaDecoderLayer",
                 "3_LlamaDecoderLayer", "4_LlamaRMSNorm", "5_Linear"]
@@ -196,15 +196,7 @@ def test_bin_round_trip_for_every_dtype(tmp_path, dt):
         def forward(self, x):
             return x
 
-    class Root(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.op = Identity()
-
-        def forward(self, x):
-            return self.op(x)
-
-    root = dump(tmp_path, config(), lambda: Root()(t))
+    root = dump(tmp_path, config(), lambda: Root(Identity())(t))
     path = only_proc(root) / "0" / "0_Identity" / "before" / "intensor0.bin"
     header = read_header(path)
     assert header.dtype.code == dt.code and header.dims == (3, 5)

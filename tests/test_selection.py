@@ -7,7 +7,8 @@ import pytest
 from atb_probe.config import parse_config
 from atb_probe.selection import Selection
 
-from conftest import config, dump, generate, only_proc, op_dirs, read_csv, tiny_llama
+from conftest import (config, dump, dump_first_round, generate, only_proc, op_dirs, read_csv,
+                      tiny_llama)
 
 
 def selection(**overrides) -> Selection:
@@ -85,30 +86,26 @@ def llama():
     return tiny_llama()
 
 
-def _dump(tmp, llama, **overrides):
-    root = dump(tmp, config(exec_range="0,0", **overrides), lambda: generate(llama, 4, 1))
-    return only_proc(root) / "0"
-
-
 def test_model_ids_exact(tmp_path, llama):
-    assert op_dirs(_dump(tmp_path, llama, ids="2,5")) == ["2_LlamaDecoderLayer", "5_Linear"]
+    assert op_dirs(dump_first_round(tmp_path, llama, ids="2,5")) == \
+        ["2_LlamaDecoderLayer", "5_Linear"]
 
 
 def test_model_child_id_without_save_child(tmp_path, llama):
-    dirs = op_dirs(_dump(tmp_path, llama, ids="2_1"))
+    dirs = op_dirs(dump_first_round(tmp_path, llama, ids="2_1"))
     assert dirs == ["2_LlamaDecoderLayer", "2_LlamaDecoderLayer/1_LlamaAttention"]
-    assert not (_dump(tmp_path / "b", llama, ids="2_1") /
+    assert not (dump_first_round(tmp_path / "b", llama, ids="2_1") /
                 "2_LlamaDecoderLayer" / "before").exists()
 
 
 def test_model_op_name_prefix(tmp_path, llama):
-    round0 = _dump(tmp_path, llama, op_name="LLAMADEC")
+    round0 = dump_first_round(tmp_path, llama, op_name="LLAMADEC")
     assert op_dirs(round0) == ["2_LlamaDecoderLayer", "3_LlamaDecoderLayer"]
     assert {r["Op Type"] for r in read_csv(round0 / "statistic.csv")} == {"LlamaDecoderLayer"}
 
 
 def test_model_op_name_finds_ops_at_any_depth(tmp_path, llama):
-    round0 = _dump(tmp_path, llama, op_name="llamamlp")
+    round0 = dump_first_round(tmp_path, llama, op_name="llamamlp")
     assert [d for d in op_dirs(round0) if d.endswith("LlamaMLP")] == [
         "2_LlamaDecoderLayer/4_LlamaMLP", "3_LlamaDecoderLayer/4_LlamaMLP"]  # kernels count too
     ops = {r["Op Name"] for r in read_csv(round0 / "statistic.csv")}
