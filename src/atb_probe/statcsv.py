@@ -10,6 +10,7 @@ import csv
 import io
 from typing import Iterable, Sequence
 
+FILE_NAME = "statistic.csv"  # one per round directory
 COLUMNS = ("Device and PID", "Execution Count", "Op Name", "Op Type", "Op Id", "Input/Output",
            "Index", "Dtype", "Format", "Shape", "Max", "Min", "Mean", "Norm", "Tensor Path")
 HEADER = ",".join(COLUMNS) + "\n"

@@ -14,13 +14,12 @@ import torch
 from .. import log
 from ..binfile import encode_header, encode_reference
 from ..naming import sanitize
-from ..statcsv import HEADER, NA
+from ..statcsv import FILE_NAME as CSV_FILE, HEADER, NA
 from .arguments import bind_args
 from .statscache import StatsCache
 from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, may_hold_tensor,
                       same_bytes_key)
 
-CSV_NAME = "statistic.csv"
 MAX_PARAM_SHAPES = 256
 
 
@@ -177,7 +176,7 @@ class Recorder:
             if layer is not None:
                 layer.rows.extend(rows)
             else:
-                probe.writer.put_records(rnd.rel, CSV_NAME, rows, HEADER)
+                probe.writer.put_records(rnd.rel, CSV_FILE, rows, HEADER)
         return labels
 
     def _write_tensors(self, rnd, frame, side, kept, stats, named, kernel):
@@ -237,7 +236,7 @@ class Recorder:
         """Hand a layer execution's statistic.csv rows to the writer, in execution order."""
         if layer.rows:
             rows, layer.rows = layer.rows, []
-            self.probe.writer.put_records(rnd.rel, CSV_NAME, rows, HEADER)
+            self.probe.writer.put_records(rnd.rel, CSV_FILE, rows, HEADER)
 
     def layer_done(self, rnd, frame) -> None:
         collect = frame.layer.collect

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from ..statcsv import FILE_NAME as CSV_FILE
 from .run import probe_env
 
 DEMO_CONFIG = {
@@ -70,7 +71,7 @@ def print_tree(root: str, max_ops: int = 8) -> None:
             rdir = os.path.join(pdir, rnd)
             ops = sorted((d for d in os.listdir(rdir) if os.path.isdir(os.path.join(rdir, d))),
                          key=lambda s: int(s.split("_")[0]) if s.split("_")[0].isdigit() else 0)
-            rows = _count_lines(os.path.join(rdir, "statistic.csv")) - 1
+            rows = _count_lines(os.path.join(rdir, CSV_FILE)) - 1
             print(f"    {rnd}/  statistic.csv ({rows} tensors), {len(ops)} layer-level ops")
             for op in ops[:max_ops]:
                 files, size = _du(os.path.join(rdir, op))

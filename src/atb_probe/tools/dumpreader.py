@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ..binfile import BinFormatError
-from ..statcsv import COLUMNS, NA
+from ..statcsv import COLUMNS, FILE_NAME as CSV_FILE, NA
 from .reader import HeaderOnlyError, load_numpy, load_tensor
 
-CSV_NAME = "statistic.csv"
 _PROC = re.compile(r"^(\d+)_(\d+)$")
 _TENSOR_FILE = re.compile(r"^(intensor|outtensor)(.+)\.bin$")
 
@@ -142,7 +141,7 @@ class Round:
 
     @property
     def csv_path(self) -> str:
-        return os.path.join(self.path, CSV_NAME)
+        return os.path.join(self.path, CSV_FILE)
 
     @cached_property
     def tensors(self) -> list[TensorRecord]:
@@ -341,7 +340,7 @@ def _processes(data: str) -> list[Process]:
 def _is_round(path: str) -> bool:
     if not os.path.basename(path).isdigit():
         return False
-    if os.path.isfile(os.path.join(path, CSV_NAME)):
+    if os.path.isfile(os.path.join(path, CSV_FILE)):
         return True
     return bool(_PROC.match(os.path.basename(os.path.dirname(path))))
 

@@ -10,6 +10,7 @@ import os
 import numpy as np
 
 from ..binfile import BinFormatError, BinHeader, read_header, read_payload
+from ..statcsv import FILE_NAME as CSV_FILE
 
 
 class HeaderOnlyError(BinFormatError):
@@ -24,7 +25,7 @@ def round_dir_of(path: str) -> str | None:
         parent = os.path.dirname(d)
         if parent == d:
             return None
-        if os.path.basename(d).isdigit() and os.path.isfile(os.path.join(d, "statistic.csv")):
+        if os.path.basename(d).isdigit() and os.path.isfile(os.path.join(d, CSV_FILE)):
             return d
         if os.path.basename(d).isdigit() and os.path.basename(os.path.dirname(parent)) == "data":
             return d
