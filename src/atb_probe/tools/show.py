@@ -14,7 +14,7 @@ import sys
 
 from ..statcsv import COLUMNS
 from .align import OpNode, build_tree as op_tree
-from . import extras
+from . import extras, size_text
 from .dumpreader import DumpError, Round, open_dump
 
 
@@ -63,7 +63,7 @@ def build_tree(dump, depth: int):
     models = dump.info_files("model")
     for proc in dump.processes:
         files, size = _sum(t for r in proc.rounds for t in r.tensors)
-        label = f"[bold]{proc.name}[/]  {len(proc.rounds)} round(s), {files} tensors, {_size(size)}"
+        label = f"[bold]{proc.name}[/]  {len(proc.rounds)} round(s), {files} tensors, {size_text(size)}"
         phases = [os.path.basename(p)[:-5] for p in models.get(proc.name, [])]
         if phases:
             label += f"  model: {', '.join(phases)}"
@@ -77,7 +77,7 @@ def _add_round(parent, rnd: Round, depth: int) -> None:
     files, size = _sum(rnd.tensors)
     source = "statistic.csv" if os.path.isfile(rnd.csv_path) else "no statistic.csv: folders"
     rnode = parent.add(f"round [bold]{rnd.index}[/]  task={rnd.task}  {files} tensors, "
-                       f"{_size(size)}  ({source})")
+                       f"{size_text(size)}  ({source})")
     for child in op_tree(rnd).children:
         _add_op(rnode, child, 1, depth)
 
@@ -87,7 +87,7 @@ def _add_op(parent, node: OpNode, level: int, depth: int) -> None:
     from rich.markup import escape
     tensors = list(_subtree_tensors(node))
     files, size = _sum(tensors)
-    label = f"{escape(node.own_id)}_{escape(node.name)}  {files} tensors, {_size(size)}"
+    label = f"{escape(node.own_id)}_{escape(node.name)}  {files} tensors, {size_text(size)}"
     below = node.count() - (node.op is not None)
     if below and level >= depth:
         label += f", {below} op(s) below"
@@ -110,15 +110,6 @@ def _sum(tensors) -> tuple[int, int]:
         count += 1
         size += file_bytes(t.path)
     return count, size
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
 
 
 def _show(args) -> int:

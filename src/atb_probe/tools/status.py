@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from . import size_text
+
 
 def register(sub) -> None:
     p = sub.add_parser("status", help="show each process's dump progress; exit 0 when complete",
@@ -69,7 +71,7 @@ def verdict(docs: list[dict]) -> tuple[bool, str]:
     died = [d for d in docs if not d["alive"] and not d.get("exited")]
     if busy:
         left = sum(d["bytes_queued"] for d in busy)
-        return False, f"NOT COMPLETE: {_size(left)} still queued in {len(busy)} process(es)"
+        return False, f"NOT COMPLETE: {size_text(left)} still queued in {len(busy)} process(es)"
     parts = ["COMPLETE: all queued data is on disk"]
     if lost:
         parts.append(f"but {len(lost)} process(es) ended with data never written")
@@ -99,8 +101,8 @@ def _status(args) -> int:
         state = d.get("state", "?") if d["alive"] else ("exited" if d.get("exited") else "gone")
         print(f"{d['name']:>16}  {state:<8}  rounds {d.get('rounds_dumped', 0):>4} dumped "
               f"of {d.get('rounds_started', 0):>4}  files {d.get('files_written', 0):>7}  "
-              f"written {_size(d.get('bytes_written', 0)):>9}  "
-              f"queued {_size(d.get('bytes_queued', 0)):>9}  updated {d.get('updated_at', '?')}")
+              f"written {size_text(d.get('bytes_written', 0)):>9}  "
+              f"queued {size_text(d.get('bytes_queued', 0)):>9}  updated {d.get('updated_at', '?')}")
         print(f"{'':>16}  {_describe_config(d)}")
         if d.get("config_problem"):
             print(f"{'':>16}  config file not used: {d['config_problem']}")
@@ -143,12 +145,3 @@ def _alive(pid, proc_start=None) -> bool:
     if not fields or fields[0] == "Z":
         return False
     return not isinstance(proc_start, int) or len(fields) < 20 or fields[19] == str(proc_start)
-
-
-def _size(n) -> str:
-    n = float(n or 0)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
