@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import itertools
+import json
 import os
 import signal
 import threading
@@ -43,6 +44,7 @@ def _exit_timeout() -> float:
         return float(os.environ.get("ATB_PROBE_EXIT_TIMEOUT", "60"))
     except ValueError:
         return 60.0
+
 
 class Probe:
     """Everything the probe knows and does in this process."""
@@ -92,7 +94,6 @@ class Probe:
         if self._fixed_config is not None:
             cfg = self._fixed_config
             if isinstance(cfg, dict):
-                import json
                 cfg, warnings = parse_config(json.dumps(cfg))
                 for w in warnings:
                     log.warn(f"config: {w}")
@@ -337,7 +338,6 @@ class Probe:
             doc["updated_at"] = _now()
             name = f"{self.devpid}.json"
             try:
-                import json
                 self.tree.write_file("status", name, [json.dumps(doc, indent=2).encode()])
                 self._status_last, self._status_name = snapshot, name
                 self._status_final = final
