@@ -6,9 +6,7 @@ leaves only complete lines behind.
 """
 from __future__ import annotations
 
-import csv
-import io
-from typing import Iterable, Sequence
+from typing import Iterable
 
 FILE_NAME = "statistic.csv"  # one per round directory
 COLUMNS = ("Device and PID", "Execution Count", "Op Name", "Op Type", "Op Id", "Input/Output",
@@ -25,14 +23,6 @@ def format_number(value: float | None) -> str:
     if value is None:
         return NA
     return repr(float(value)) if isinstance(value, float) else str(value)
-
-
-def format_rows(rows: Sequence[Sequence[str]]) -> str:
-    """CSV text for rows of already formatted cells (quoted only where a cell needs it)."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerows(rows)
-    return buf.getvalue()
 
 
 _NA_STATS = ",".join((NA, NA, NA, NA))
