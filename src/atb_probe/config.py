@@ -36,10 +36,6 @@ class ExecRange:
             return True
         return any(lo <= round_index <= hi for lo, hi in self.pairs)
 
-    @property
-    def nothing(self) -> bool:
-        return not self.everything and not self.pairs
-
 
 @dataclass(frozen=True)
 class DumpConfig:

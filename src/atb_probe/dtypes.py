@@ -41,4 +41,3 @@ DTYPES: tuple[DType, ...] = (
 
 BY_CODE = {d.code: d for d in DTYPES}
 BY_TORCH_NAME = {d.torch_name: d for d in DTYPES}
-BY_CSV_NAME = {d.csv_name: d for d in DTYPES}

@@ -130,10 +130,6 @@ class Engine:
 
     # -- installing -------------------------------------------------------------------------
 
-    @property
-    def installed(self) -> bool:
-        return self._original is not None
-
     def install(self) -> None:
         with self._lock:
             self._sleep_requested = False

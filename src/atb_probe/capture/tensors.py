@@ -98,9 +98,6 @@ def _plain(value):
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-plain = _plain
-
-
 def statistics(tensors: list[torch.Tensor]) -> list[tuple[float, float, float, float] | None]:
     """(max, min, mean, L2 norm) of each tensor; None for empty ones.
 
