@@ -121,7 +121,10 @@ class Probe:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         if self.engine is not None:
-            self.engine.uninstall(force=True)
+            try:
+                self.engine.close()
+            except Exception as exc:
+                self.report(exc)
         done = self.writer.close(_exit_timeout() if timeout is None else timeout)
         if not done:
             self.last_error = (f"exit timeout: {self.writer.pending()} bytes still queued were "
@@ -291,7 +294,8 @@ class Probe:
     def status(self) -> dict:
         """The status document, `atb_dump_data/status/<dev>_<pid>.json` (SPEC §4).
 
-        pid, device; state "sleeping" | "dumping"; exited (true once the probe closed: every
+        pid, device; state "sleeping" | "dumping"; device_selected (while dumping: whether the
+        config's `device` list lets this process dump at all, else null); exited (true once the probe closed: every
         file is written or `last_error` says what was not); rounds_started (root calls seen
         since the probe first woke: the number the next round gets), rounds_dumped;
         files_written, bytes_written, bytes_queued (accepted, not yet on disk), files_skipped;
@@ -303,10 +307,12 @@ class Probe:
         stats = self.writer.stats
         config = self.config
         awake = config is not None and config.dump_enable
+        device = self.device if self.device is not None else _env_device()
         return {
             "pid": self.pid,
-            "device": self.device if self.device is not None else _env_device(),
+            "device": device,
             "state": "dumping" if awake else "sleeping",
+            "device_selected": (not config.device or device in config.device) if awake else None,
             "exited": False,
             "rounds_started": self.rounds_started,
             "rounds_dumped": self.rounds_dumped,

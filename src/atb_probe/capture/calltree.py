@@ -5,14 +5,23 @@ sleeps the original is back in place and the model pays nothing. Each thread kee
 stack, so a server running the model in worker threads gets one consistent tree per thread.
 
 * A module called with an empty stack is a *root*: its call is one *round*, and the round's
-  configuration is fixed when it starts (a config change applies at the next round).
-* The root is a *container*; so is any module called from a container that owns an
-  `nn.ModuleList`/`nn.Sequential` of two or more modules.
+  configuration is fixed when it starts (a config change applies at the next round). Each root
+  module instance is a *model* (`Model`): its name, its module paths and its structure files.
+* The root is a *container*. A module called from a container is a container too when it is not
+  an element of a *block list* (an `nn.ModuleList` of one or more modules, an `nn.Sequential` of
+  two or more) and it is a block list or has one anywhere below it.
 * Non-container modules called from a container are *layer-level* ops, numbered 0, 1, 2... in
   the round. Below them every module and kernel is a *child*, numbered among its siblings.
 
+What a module is (its name, forward signature, whether it holds block lists, whether it is an
+element of one) is decided once per module and kept with a weak reference, so a round pays a
+dictionary lookup per module call, not a walk of the model.
+
 Children are followed only inside layer-level ops whose subtree the selection may write; every
 other call goes straight to the original `__call__` after one stack check.
+
+While a round is dumped, code compiled by `torch.compile` runs eagerly (the "force_eager"
+stance), so the modules and kernels it would hide are seen; other rounds run it compiled.
 """
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ import weakref
 import torch
 from torch import nn
 
+from .. import log
 from ..naming import sanitize
 from ..selection import LayerPlan, SKIP_LAYER
 from .arguments import bind_args, forward_params
@@ -35,17 +45,57 @@ _CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_
 class ModuleInfo:
     """What the probe needs to know about one module, computed once."""
 
-    __slots__ = ("name", "is_container", "params", "__weakref__")
+    __slots__ = ("name", "params", "holds_blocks", "element", "__weakref__")
 
     def __init__(self, module: nn.Module):
         self.name = sanitize(type(module).__name__)
-        self.is_container = _is_container(module)
         self.params = forward_params(type(module))
+        # A block list itself, or one anywhere below: a container unless it is an element.
+        self.holds_blocks = any(is_block_list(m) for m in module.modules())
+        self.element = False  # an element of a block list: set when its model is first seen
+
+    @property
+    def is_container(self) -> bool:
+        """Whether this module, called from a container, is a container itself (SPEC §1)."""
+        return self.holds_blocks and not self.element
 
 
-def _is_container(module: nn.Module) -> bool:
-    return any(isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2
-               for child in module._modules.values())
+def is_block_list(module: nn.Module) -> bool:
+    """The model's repeated blocks: an `nn.ModuleList` of one or more modules (a one-layer
+    draft model still has its layer list) or an `nn.Sequential` of two or more."""
+    if isinstance(module, nn.ModuleList):
+        return len(module) >= 1
+    return isinstance(module, nn.Sequential) and len(module) >= 2
+
+
+class Model:
+    """One root module instance: its name, module paths and what its structure files hold.
+
+    `name` is the class name for the first instance of that class in the process and
+    `<Class>_<k>` for later ones (SPEC §1), so two models of one class (a draft model in
+    speculative decoding) never share structure files."""
+
+    __slots__ = ("name", "first", "paths", "compiled", "phases")
+
+    def __init__(self, name: str, first: bool, module: nn.Module):
+        self.name = name
+        self.first = first    # the first model of the process: its layer files need no folder
+        inner = _uncompiled(module)
+        # Attribute paths from the root; a torch.compile wrapper is looked through, so paths
+        # read as in the model's code (`model.layers.0`, not `_orig_mod.model.layers.0`).
+        self.paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.compiled = inner is not module
+        for path, m in inner.named_modules():
+            self.paths.setdefault(m, path)
+            if getattr(m, "_compiled_call_impl", None) is not None or _uncompiled(m) is not m:
+                self.compiled = True
+        self.phases: dict[str, dict] = {}  # phase -> the model file's document
+
+
+def _uncompiled(module: nn.Module) -> nn.Module:
+    """The module a `torch.compile` wrapper (`OptimizedModule`) stands for, else `module`."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else module
 
 
 class Frame:
@@ -53,10 +103,10 @@ class Frame:
 
     __slots__ = ("op_id", "name", "full_name", "rel", "children", "dump", "dump_children",
                  "passthrough", "track", "container", "nodes", "layer", "inputs", "outputs",
-                 "param", "reuse")
+                 "param", "reuse", "path", "shards")
 
     def __init__(self, op_id="", name="", full_name="", rel="", dump=False, dump_children=False,
-                 passthrough=True, track=False, container=False, layer=None):
+                 passthrough=True, track=False, container=False, layer=None, path=None):
         self.op_id = op_id
         self.name = name
         self.full_name = full_name
@@ -73,15 +123,17 @@ class Frame:
         self.outputs = 0
         self.param = None             # op_param.json content, once known
         self.reuse = None             # kernels: statistics of inputs for the outputs (statscache)
+        self.path = path              # modules: the attribute path from the root (modulePath)
+        self.shards = None            # DTensor layouts by file name, for op_param.json
 
 
 class Round:
     """One root call: its number, the configuration it runs under, and its progress."""
 
     __slots__ = ("index", "selection", "config", "rel", "dumping", "layer_count", "layer_nodes",
-                 "root_name", "phase", "root_module")
+                 "layer_names", "phase", "root_module", "model", "selected")
 
-    def __init__(self, index, selection, rel, dumping):
+    def __init__(self, index, selection, rel, dumping, model=None):
         self.index = index
         self.selection = selection
         self.config = selection.config if selection is not None else None
@@ -89,9 +141,11 @@ class Round:
         self.dumping = dumping
         self.layer_count = 0
         self.layer_nodes = []
-        self.root_name = ""
+        self.layer_names = []      # the distinct layer-level op names, in order (for warnings)
         self.phase = "Forward"
         self.root_module = None
+        self.model = model
+        self.selected = 0          # ops the selection chose in this round
 
 
 class LayerRun:
@@ -123,6 +177,10 @@ class Engine:
         self.tls = _ThreadState()
         self.recorder = Recorder(probe)
         self._infos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._model_counts: dict[str, int] = {}
+        self._unmatched_warned: set = set()
+        self._compile_said = False
         self._original = None
         self._lock = threading.Lock()
         self.active_rounds = 0
@@ -150,6 +208,12 @@ class Engine:
             __call__.__atb_probe__ = True
             self._original = original
             nn.Module.__call__ = __call__
+
+    def close(self) -> None:
+        """The probe closes: capture nothing more, and write what the structure files still
+        lack."""
+        self.uninstall(force=True)
+        self.recorder.flush_model_files(list(self._models.values()))
 
     def uninstall(self, force: bool = False) -> None:
         """Put the original `__call__` back, at once when no round is running, else after the
@@ -187,6 +251,30 @@ class Engine:
             self._infos[module] = info
         return info
 
+    def model(self, root) -> Model:
+        """The `Model` of a root module instance, named and walked the first time it is seen."""
+        model = self._models.get(root)
+        if model is None:
+            with self._lock:
+                model = self._models.get(root)
+                if model is None:
+                    model = self._new_model(root)
+        return model
+
+    def _new_model(self, root) -> Model:
+        """(Holding `_lock`.) Name a new root and mark the elements of its block lists."""
+        cls = sanitize(type(_uncompiled(root)).__name__)
+        count = self._model_counts.get(cls, 0)
+        self._model_counts[cls] = count + 1
+        model = Model(cls if count == 0 else f"{cls}_{count}", not self._models, root)
+        for m in model.paths:
+            if is_block_list(m):
+                for element in m._modules.values():
+                    if element is not None:
+                        self.info(element).element = True
+        self._models[root] = model
+        return model
+
     # -- roots and rounds -------------------------------------------------------------------
 
     def root_call(self, module, args, kwargs):
@@ -206,6 +294,9 @@ class Engine:
             frame = _PASS
         stack.append(frame)
         try:
+            if rnd is not None and rnd.dumping and _FORCE_EAGER is not None:
+                with _FORCE_EAGER("force_eager"):
+                    return original(module, *args, **kwargs)
             return original(module, *args, **kwargs)
         finally:
             stack.pop()
@@ -222,20 +313,34 @@ class Engine:
         # Once the writer has stopped (disk full, I/O error) nothing more is captured.
         dumping = selection is not None and selection.round_selected(index, device) \
             and not probe.writer.failed
-        rnd = Round(index, selection, f"data/{probe.devpid}/{index}", dumping)
+        model = self.model(module)
+        rnd = Round(index, selection, f"data/{probe.devpid}/{index}", dumping, model)
         self.tls.round = rnd
         if dumping:
-            info = self.info(module)
-            rnd.root_name = info.name
             rnd.root_module = module
-            rnd.phase = _phase(info.params, args, kwargs)
+            rnd.phase = _phase(self.info(_uncompiled(module)).params, args, kwargs)
+            if model.compiled or _dynamo_compiled():
+                self._say_compiled()
         return rnd
+
+    def _say_compiled(self) -> None:
+        if self._compile_said:
+            return
+        self._compile_said = True
+        if _FORCE_EAGER is None:
+            log.warn("this torch has no torch.compiler.set_stance: the modules and kernels "
+                     "inside compiled code (torch.compile) are not seen")
+        else:
+            log.info("compiled code (torch.compile) runs eagerly while a round is dumped, so "
+                     "the ops inside it are seen; other rounds run it compiled")
 
     def end_round(self, rnd: Round) -> None:
         self.tls.round = None
         try:
             if rnd.dumping:
                 self.recorder.end_round(rnd)
+                if not rnd.selected:
+                    self._warn_unmatched(rnd)
         except Exception as exc:
             self.probe.report(exc)
         finally:
@@ -244,6 +349,22 @@ class Engine:
                 self.active_rounds -= 1
                 if self._sleep_requested and not self.active_rounds:
                     self._restore()
+
+    def _warn_unmatched(self, rnd: Round) -> None:
+        """SPEC §7: `ids`/`op_name` chose no op of a selected round; once per configuration."""
+        cfg = rnd.config
+        if not (cfg.ids or cfg.op_name) or cfg in self._unmatched_warned:
+            return
+        self._unmatched_warned.add(cfg)
+        keys = []
+        if cfg.ids:
+            keys.append(f'ids "{",".join(cfg.ids)}"')
+        if cfg.op_name:
+            keys.append(f'op_name "{",".join(cfg.op_name)}"')
+        had = (f"layer-level op IDs 0..{rnd.layer_count - 1}: {', '.join(rnd.layer_names)}"
+               if rnd.layer_count else "no layer-level op")
+        log.warn(f"{' and '.join(keys)} matched no op in round {rnd.index} of "
+                 f"{rnd.model.name}, so nothing was written for it; that round had {had}")
 
     # -- ops below the root -----------------------------------------------------------------
 
@@ -292,7 +413,10 @@ class Engine:
                                                            parent.dump_children)
         frame = Frame(op_id, info.name, full_name, f"{parent.rel}/{index}_{info.name}", dump,
                       dump_children, passthrough=False, track=True, layer=parent.layer)
+        if dump:
+            rnd.selected += 1
         if frame.dump or frame.layer.collect:  # else nothing to record: skip the context
+            frame.path = rnd.model.paths.get(module)
             with torch._C._DisableTorchDispatch():
                 self.recorder.module_inputs(rnd, frame, module, info, args, kwargs, named=True)
         return frame, None
@@ -300,13 +424,17 @@ class Engine:
     def enter_layer(self, rnd: Round, module, info: ModuleInfo, args, kwargs):
         index = rnd.layer_count
         rnd.layer_count += 1
+        if info.name not in rnd.layer_names:
+            rnd.layer_names.append(info.name)
         op_id = str(index)
         plan: LayerPlan = rnd.selection.layer_plan(op_id, info.name) if rnd.selection else \
             SKIP_LAYER
+        if plan.dump:
+            rnd.selected += 1
         layer = LayerRun(self.recorder.wants_structure(rnd, info.name, op_id, plan.track_children))
         frame = Frame(op_id, info.name, info.name, f"{op_id}_{info.name}", plan.dump,
                       plan.dump_children, passthrough=not plan.track_children,
-                      track=plan.track_children, layer=layer)
+                      track=plan.track_children, layer=layer, path=rnd.model.paths.get(module))
         self.recorder.module_inputs(rnd, frame, module, info, args, kwargs, named=False)
         mode = KernelCapture(self) if plan.track_children else None
         return frame, mode
@@ -343,6 +471,8 @@ class Engine:
             op_id = f"{top.op_id}_{index}"
             full_name = f"{top.full_name}/{kname}"
             dump, _ = rnd.selection.child_selected(op_id, full_name, kname, top.dump_children)
+            if dump:
+                rnd.selected += 1
             # Neither written nor described in a structure file (and writing to nothing that
             # filter_level 1 may refer to): the kernel only takes its ID.
             record = dump or top.layer.collect
@@ -369,6 +499,20 @@ class Engine:
             except Exception as exc:
                 self.probe.report(exc)
         return out
+
+
+# "force_eager" runs compiled code as plain Python for the length of a dumped round.
+_FORCE_EAGER = getattr(getattr(torch, "compiler", None), "set_stance", None)
+
+
+def _dynamo_compiled() -> bool:
+    """Whether torch.compile has compiled any code in this process yet."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    try:
+        return bool(counters and counters["stats"]["unique_graphs"])
+    except Exception:
+        return False
 
 
 def _wait_for_collective(out) -> None:

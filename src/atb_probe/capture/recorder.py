@@ -6,6 +6,7 @@ tensor's device and a private host copy of the bytes. Encoding and disk I/O happ
 """
 from __future__ import annotations
 
+import time
 import weakref
 from functools import lru_cache
 
@@ -17,7 +18,7 @@ from ..naming import sanitize
 from ..statcsv import FILE_NAME as CSV_FILE, HEADER, NA
 from .arguments import bind_args
 from .statscache import StatsCache
-from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, may_hold_tensor,
+from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, local_of, may_hold_tensor,
                       same_bytes_key)
 
 MAX_PARAM_SHAPES = 256
@@ -29,8 +30,8 @@ class Recorder:
     def __init__(self, probe):
         self.probe = probe
         self._static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._layer_files: dict[tuple[str, str], int] = {}  # (name, id) -> nodes written
-        self._phases: set[str] = set()
+        # (model name, layer name, id) -> nodes written in that layer's structure file
+        self._layer_files: dict[tuple[str, str, str], int] = {}
         self.stats = StatsCache()
 
     # -- module ops -------------------------------------------------------------------------
@@ -52,7 +53,8 @@ class Recorder:
         labels = self.write_side(rnd, frame, "input", items, named, kernel=False) \
             if frame.dump else []
         if describe:
-            frame.param = dict(self.static_param(module), args=params, inputs=labels)
+            frame.param = dict(self.static_param(module), modulePath=frame.path, args=params,
+                               inputs=labels)
 
     def module_outputs(self, rnd, frame, out, named: bool) -> None:
         if not (frame.dump or _collecting(frame)):
@@ -65,6 +67,8 @@ class Recorder:
             if rnd.config.wants_tensors:
                 doc = frame.param
                 doc["outputs"] = labels
+                if frame.shards:
+                    doc["dtensors"] = frame.shards
                 self.probe.writer.put_json(f"{rnd.rel}/{frame.rel}", "op_param.json", doc)
 
     def static_param(self, module) -> dict:
@@ -119,6 +123,8 @@ class Recorder:
             self.write_side(rnd, frame, "output", items, named=False, kernel=True)
             if rnd.config.wants_tensors:
                 frame.param["outputs"] = [f"outtensor{i}" for i in range(len(items))]
+                if frame.shards:
+                    frame.param["dtensors"] = frame.shards
                 self.probe.writer.put_json(f"{rnd.rel}/{frame.rel}", "op_param.json",
                                            frame.param)
 
@@ -145,6 +151,10 @@ class Recorder:
         header_only = kernel and cfg.save_child and cfg.filter_level >= 2
         kept, tensors = [], []
         for i, (label, t) in enumerate(items):
+            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+                t, meta = local_of(t)
+                if meta is not None:
+                    _describe_shard(frame, side, i, label if named else "", meta)
             dt = dtype_of(t) if is_dumpable(t) else None
             if dt is not None:
                 kept.append((i, label, t, dt))
@@ -223,7 +233,7 @@ class Recorder:
     # -- structure files --------------------------------------------------------------------
 
     def wants_structure(self, rnd, name: str, op_id: str, tracking: bool) -> bool:
-        written = self._layer_files.get((name, op_id))
+        written = self._layer_files.get((rnd.model.name, name, op_id))
         return written is None or (tracking and written == 0)
 
     def child_done(self, parent, frame) -> None:
@@ -240,35 +250,93 @@ class Recorder:
 
     def layer_done(self, rnd, frame) -> None:
         collect = frame.layer.collect
-        if rnd.phase in self._phases and not collect:
+        model = rnd.model
+        if rnd.phase in model.phases and not collect:
             return  # this phase's model file is written: nothing to describe
         node = _node(frame)
-        rnd.layer_nodes.append({k: node[k] for k in ("opName", "opType", "inTensors",
-                                                     "outTensors")})
+        rnd.layer_nodes.append({k: node[k] for k in ("opName", "opType", "modulePath",
+                                                     "inTensors", "outTensors") if k in node})
         if collect:
-            key = (frame.name, frame.op_id)
+            key = (model.name, frame.name, frame.op_id)
             count = _count(node)
             if self._layer_files.get(key, -1) < count:
                 self._layer_files[key] = count
-                self.probe.writer.put_json(f"info/layer/{self.probe.devpid}",
-                                           f"{frame.name}_{frame.op_id}.json", node)
+                folder = f"info/layer/{self.probe.devpid}"
+                if not model.first:
+                    folder += f"/{model.name}"
+                self.probe.writer.put_json(folder, f"{frame.name}_{frame.op_id}.json", node)
 
     def end_round(self, rnd) -> None:
-        probe = self.probe
-        probe.round_dumped()
-        if rnd.phase in self._phases or not rnd.layer_nodes:
-            return
-        self._phases.add(rnd.phase)
-        config = getattr(rnd.root_module, "config", None)
-        try:
-            param = config.to_dict() if hasattr(config, "to_dict") else (
-                dict(vars(config)) if config is not None else {})
-        except Exception:
-            param = {}
-        doc = {"modelName": f"{rnd.root_name}_{rnd.phase}", "modelType": rnd.root_name,
-               "phase": rnd.phase, "param": param, "nodes": rnd.layer_nodes}
-        probe.writer.put_json(f"info/model/{probe.devpid}", f"{rnd.root_name}_{rnd.phase}.json",
-                              doc)
+        """The round's model file (SPEC §5): written at the first round of its model and phase
+        that had layer-level ops; its `rounds` grow with every later round of that phase."""
+        self.probe.round_dumped()
+        model = rnd.model
+        file = model.phases.get(rnd.phase)
+        if file is None:
+            if not rnd.layer_nodes:
+                return
+            file = model.phases[rnd.phase] = ModelFile({
+                "modelName": f"{model.name}_{rnd.phase}", "modelType": model.name,
+                "phase": rnd.phase, "param": _model_param(rnd.root_module), "rounds": [],
+                "nodes": rnd.layer_nodes})
+        if file.add_round(rnd.index):
+            self._write_model_file(model, file)
+
+    def flush_model_files(self, models) -> None:
+        """Write the model files whose `rounds` changed since they were last written."""
+        for model in models:
+            for file in model.phases.values():
+                if file.dirty:
+                    self._write_model_file(model, file)
+
+    def _write_model_file(self, model, file: ModelFile) -> None:
+        file.dirty = False
+        file.written_at = time.monotonic()
+        doc = file.doc
+        # Serialised later, on the writer thread: hand over a copy of what keeps changing.
+        doc = dict(doc, rounds=[list(r) for r in doc["rounds"]])
+        self.probe.writer.put_json(f"info/model/{self.probe.devpid}",
+                                   f"{doc['modelName']}.json", doc)
+
+
+class ModelFile:
+    """One `info/model` document and the rounds it describes, as inclusive `[first, last]`
+    ranges: a service dumping for hours keeps a short list.
+
+    A round that starts a new range is written at once; one that extends the last range marks
+    the file dirty, and it is rewritten at most every `MODEL_FILE_SECONDS` and when the probe
+    closes, so a decode loop does not rewrite it on every token."""
+
+    __slots__ = ("doc", "dirty", "written_at")
+
+    def __init__(self, doc: dict):
+        self.doc = doc
+        self.dirty = False
+        self.written_at = 0.0
+
+    def add_round(self, index: int) -> bool:
+        """Record round `index`; whether the file should be written now."""
+        ranges = self.doc["rounds"]
+        if ranges and ranges[-1][1] + 1 == index:
+            ranges[-1][1] = index
+            self.dirty = True
+            return time.monotonic() - self.written_at >= MODEL_FILE_SECONDS
+        ranges.append([index, index])
+        return True
+
+
+MODEL_FILE_SECONDS = 1.0
+
+
+def _model_param(root) -> dict:
+    """The model's configuration (a transformers config as a dict), else {}."""
+    root = getattr(root, "_orig_mod", root)
+    config = getattr(root, "config", None)
+    try:
+        return config.to_dict() if hasattr(config, "to_dict") else (
+            dict(vars(config)) if config is not None else {})
+    except Exception:
+        return {}
 
 
 @lru_cache(maxsize=4096)
@@ -287,21 +355,37 @@ def _tensors_of(pairs, items: list) -> None:
             flatten(value, name, items, {}, name_items=True)
 
 
+def _describe_shard(frame, side: str, i: int, label: str, meta: dict) -> None:
+    """Note a DTensor's layout under its file's name, for the op's `op_param.json`."""
+    name = f"{'intensor' if side == 'input' else 'outtensor'}{i}"
+    if label:
+        name += f"_{_safe_label(label)}"
+    if frame.shards is None:
+        frame.shards = {}
+    frame.shards[name] = meta
+
+
 def _collecting(frame) -> bool:
     return frame.layer is not None and frame.layer.collect
 
 
+_NOT_PARAM = frozenset({"inputs", "outputs", "modulePath"})
+
+
 def _node(frame) -> dict:
     name = f"{frame.name}_{frame.op_id}"
-    return {
+    node = {
         "opName": name,
         "opType": frame.name,
-        "param": {k: v for k, v in (frame.param or {}).items() if k not in ("inputs", "outputs")},
+        "param": {k: v for k, v in (frame.param or {}).items() if k not in _NOT_PARAM},
         "inTensors": [f"{name}_input_{i}" for i in range(frame.inputs)],
         "outTensors": [f"{name}_output_{i}" for i in range(frame.outputs)],
         "internalTensors": [],
         "nodes": frame.nodes or [],
     }
+    if frame.path is not None:
+        node["modulePath"] = frame.path
+    return node
 
 
 def _count(node: dict) -> int:

@@ -35,6 +35,32 @@ def is_dumpable(t) -> bool:
     return t.layout is torch.strided and not t.is_meta and not t.is_nested
 
 
+def local_of(t) -> tuple[object, dict | None]:
+    """What is dumped for a tensor subclass: a `DTensor`'s local shard (and its placements,
+    mesh shape and global shape for `op_param.json`), the waited-for result of a pending
+    functional collective (`AsyncCollectiveTensor`); anything else unchanged, no description.
+
+    `_local_tensor` and `elem` are read directly: `to_local()` and friends are differentiable
+    ops that would dispatch again inside the kernel capture."""
+    meta = None
+    for _ in range(4):  # a DTensor may hold a pending collective result, and so on
+        cls = type(t)
+        if cls is torch.Tensor or cls is torch.nn.Parameter:
+            break
+        name = cls.__name__
+        if name == "DTensor" and hasattr(t, "_local_tensor"):
+            if meta is None:
+                meta = {"placements": [repr(p) for p in t.placements],
+                        "mesh_shape": list(t.device_mesh.shape),
+                        "global_shape": list(t.shape)}
+            t = t._local_tensor
+        elif name == "AsyncCollectiveTensor" and hasattr(t, "trigger_wait"):
+            t = t.trigger_wait()
+        else:
+            break
+    return t, meta
+
+
 def flatten(value, label: str, out: list, params: dict, name_items: bool, depth: int = 0) -> None:
     """Append (label, tensor) pairs of `value` to `out`; put other values into `params`.
 
