@@ -84,6 +84,19 @@ def verdict(docs: list[dict]) -> tuple[bool, str]:
     return True, "; ".join(parts)
 
 
+def unselected_warning(docs: list[dict]) -> str | None:
+    """SPEC §7: a warning when the config's `device` list leaves every live dumping process
+    out (a device ID that no rank has), else None."""
+    dumping = [d for d in docs if d["alive"] and d.get("state") == "dumping"]
+    if not dumping or any(d.get("device_selected") is not False for d in dumping):
+        return None
+    wanted = {str((d.get("config_in_effect") or {}).get("device", "")) for d in dumping}
+    have = sorted({str(d.get("device")) for d in dumping}, key=lambda x: (len(x), x))
+    return (f"WARNING: no live process is selected: the config's device "
+            f"{' / '.join(sorted(wanted))} matches none of the devices here "
+            f"({', '.join(have)}), so nothing is dumped")
+
+
 def _status(args) -> int:
     deadline = time.monotonic() + max(0.0, args.wait)
     while True:
@@ -92,9 +105,10 @@ def _status(args) -> int:
         if complete or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
+    warning = unselected_warning(docs)
     if args.json:
-        json.dump({"complete": complete, "message": message, "processes": docs}, sys.stdout,
-                  indent=2)
+        json.dump({"complete": complete, "message": message, "warning": warning,
+                   "processes": docs}, sys.stdout, indent=2)
         print()
         return 0 if complete else 1
     for d in docs:
@@ -104,11 +118,16 @@ def _status(args) -> int:
               f"written {size_text(d.get('bytes_written', 0)):>9}  "
               f"queued {size_text(d.get('bytes_queued', 0)):>9}  updated {d.get('updated_at', '?')}")
         print(f"{'':>16}  {_describe_config(d)}")
+        if d["alive"] and d.get("device_selected") is False:
+            print(f"{'':>16}  not selected: device {d.get('device')} is not in the config's "
+                  f"device list")
         if d.get("config_problem"):
             print(f"{'':>16}  config file not used: {d['config_problem']}")
         if d.get("last_error"):
             print(f"{'':>16}  last error: {d['last_error']}")
     print(message)
+    if warning:
+        print(warning)
     return 0 if complete else 1
 
 
