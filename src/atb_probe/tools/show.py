@@ -9,6 +9,7 @@ Count tell the rows apart).
 from __future__ import annotations
 
 import csv
+import json
 import os
 import sys
 
@@ -68,33 +69,97 @@ def build_tree(dump, depth: int):
         if phases:
             label += f"  model: {', '.join(phases)}"
         pnode = tree.add(label)
+        structure = module_paths(dump.root, proc.name) if dump.root else {}
         for rnd in proc.rounds:
-            _add_round(pnode, rnd, depth)
+            model, paths = structure.get(rnd.index, (None, {}))
+            _add_round(pnode, rnd, depth, model, paths)
     return tree
 
 
-def _add_round(parent, rnd: Round, depth: int) -> None:
+def module_paths(root: str, proc: str) -> dict[int, tuple[str, dict[str, str]]]:
+    """{round: (model name, {op ID: module path})} from a process's structure files (SPEC §5):
+    each model file names its rounds; its layer files (in a folder of the model's name for every
+    model but the first) give the paths of the ops below the layer-level ones."""
+    model_dir = os.path.join(root, "info", "model", proc)
+    layer_dir = os.path.join(root, "info", "layer", proc)
+    out: dict[int, tuple[str, dict[str, str]]] = {}
+    layer_paths: dict[str, dict[str, str]] = {}
+    for doc in _json_files(model_dir):
+        model = doc.get("modelType")
+        if not isinstance(model, str):
+            continue
+        if model not in layer_paths:
+            folder = os.path.join(layer_dir, model)
+            paths = layer_paths[model] = {}
+            for layer in _json_files(folder if os.path.isdir(folder) else layer_dir):
+                _collect_paths(layer, paths)
+        paths = dict(layer_paths[model])
+        _collect_paths({"nodes": doc.get("nodes", [])}, paths)
+        for pair in doc.get("rounds") or []:
+            if isinstance(pair, list) and len(pair) == 2 and all(isinstance(i, int) for i in pair):
+                for index in range(pair[0], pair[1] + 1):
+                    out[index] = (model, paths)
+    return out
+
+
+def _json_files(folder: str):
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    except OSError:
+        return
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            yield doc
+
+
+def _collect_paths(node: dict, paths: dict[str, str]) -> None:
+    for child in node.get("nodes") or []:
+        if not isinstance(child, dict):
+            continue
+        name, kind, path = child.get("opName"), child.get("opType"), child.get("modulePath")
+        if isinstance(name, str) and isinstance(kind, str) and isinstance(path, str):
+            paths.setdefault(name[len(kind) + 1:], path)
+        _collect_paths(child, paths)
+
+
+def _add_round(parent, rnd: Round, depth: int, model: str | None = None,
+               paths: dict[str, str] | None = None) -> None:
+    from rich.markup import escape
     files, size = _sum(rnd.tensors)
     source = "statistic.csv" if os.path.isfile(rnd.csv_path) else "no statistic.csv: folders"
-    rnode = parent.add(f"round [bold]{rnd.index}[/]  task={rnd.task}  {files} tensors, "
-                       f"{size_text(size)}  ({source})")
+    label = f"round [bold]{rnd.index}[/]"
+    if model:
+        label += f"  model={escape(model)}"
+    rnode = parent.add(f"{label}  task={rnd.task}  {files} tensors, {size_text(size)}  "
+                       f"({source})")
     for child in op_tree(rnd).children:
-        _add_op(rnode, child, 1, depth)
+        _add_op(rnode, child, 1, depth, "", paths or {})
 
 
-def _add_op(parent, node: OpNode, level: int, depth: int) -> None:
-    """One op with the totals of its subtree; its children while `level < depth`."""
+def _add_op(parent, node: OpNode, level: int, depth: int, parent_id: str,
+            paths: dict[str, str]) -> None:
+    """One op with the totals of its subtree and its module path; its children while
+    `level < depth`."""
     from rich.markup import escape
     tensors = list(_subtree_tensors(node))
     files, size = _sum(tensors)
-    label = f"{escape(node.own_id)}_{escape(node.name)}  {files} tensors, {size_text(size)}"
+    op_id = f"{parent_id}_{node.own_id}" if parent_id else node.own_id
+    label = f"{escape(node.own_id)}_{escape(node.name)}"
+    if op_id in paths:
+        label += f" [dim]({escape(paths[op_id] or '<root>')})[/]"
+    label += f"  {files} tensors, {size_text(size)}"
     below = node.count() - (node.op is not None)
     if below and level >= depth:
         label += f", {below} op(s) below"
     branch = parent.add(label)
     if level < depth:
         for child in node.children:
-            _add_op(branch, child, level + 1, depth)
+            _add_op(branch, child, level + 1, depth, op_id, paths)
 
 
 def _subtree_tensors(node: OpNode):
