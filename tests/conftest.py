@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -125,6 +126,28 @@ def run_loaded(tmp: Path, script: str, cfg: dict | None = None, load_args: str |
     full_env.update(env or {})
     return subprocess.run(["bash", "-c", cmd], cwd=tmp, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def torchrun_loaded(tmp: Path, cfg: dict, script: Path, *args: str, ranks: int = 2) -> str:
+    """`torchrun --nproc-per-node <ranks> script args` (CPU) from a shell that sourced the load
+    script with `cfg` as config.json; its stdout (the run must succeed)."""
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output="{tmp}" --config="{tmp}/config.json"'
+           f' && "{torchrun}" --nproc-per-node {ranks} --master-addr 127.0.0.1'
+           f' --master-port {port} "{script}" {" ".join(args)}')
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP",
+                        "ATB_PROBE_PYTHONPATH_WAS_SET", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(["bash", "-c", cmd], cwd=tmp, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "cannot dump" not in result.stderr, result.stderr
+    return result.stdout
 
 
 def wait_until(condition, timeout: float, what: str, interval: float = 0.01):

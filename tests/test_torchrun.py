@@ -9,7 +9,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -23,36 +22,19 @@ import torch
 from atb_probe.capture.device import device_id
 from atb_probe.probe import Probe
 from atb_probe.tools.reader import load_tensor
-from conftest import SCRIPTS, config, read_csv, run_loaded
+from conftest import SCRIPTS, config, read_csv, run_loaded, torchrun_loaded
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 STEPS = 2
 CSV_KEY = ["Execution Count", "Op Id", "Op Name", "Input/Output", "Index"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(tmp: Path, cfg: dict) -> dict[int, int]:
     """Run the example on 2 CPU ranks with the probe loaded; {rank: pid} of the workers."""
-    (tmp / "config.json").write_text(json.dumps(cfg))
-    cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output="{tmp}" --config="{tmp}/config.json"'
-           f' && "{TORCHRUN}" --nproc-per-node 2 --master-addr 127.0.0.1'
-           f' --master-port {_free_port()} "{EXAMPLE / "tp_block.py"}" --steps {STEPS}')
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP",
-                        "ATB_PROBE_PYTHONPATH_WAS_SET", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(["bash", "-c", cmd], cwd=tmp, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    stdout = torchrun_loaded(tmp, cfg, EXAMPLE / "tp_block.py", "--steps", str(STEPS))
     pids = {int(rank): int(pid) for rank, local, pid in
-            re.findall(r"rank (\d)/2 local_rank (\d) pid (\d+)", result.stdout) if rank == local}
-    assert sorted(pids) == [0, 1], result.stdout
+            re.findall(r"rank (\d)/2 local_rank (\d) pid (\d+)", stdout) if rank == local}
+    assert sorted(pids) == [0, 1], stdout
     return pids
 
 

@@ -489,8 +489,8 @@ class Engine:
         out = func(*args, **kwargs)
         if frame is not None:
             try:
-                if dump and op_name.startswith("c10d."):
-                    _wait_for_collective(out)
+                if dump and op_name.startswith(_COLLECTIVES):
+                    _wait_for_collective(op_name, out)
                 if written:
                     self.recorder.forget_written(frame.layer, pairs, written)
                 if record:
@@ -515,12 +515,22 @@ def _dynamo_compiled() -> bool:
         return False
 
 
-def _wait_for_collective(out) -> None:
-    """A collective's output tensors hold the result only once its Work completes; wait for it
-    before recording them (the caller would wait for it next anyway)."""
-    for item in out if isinstance(out, (tuple, list)) else (out,):
-        if not isinstance(item, torch.Tensor) and callable(getattr(item, "wait", None)):
-            item.wait()
+_COLLECTIVES = ("c10d.", "_c10d_functional.")
+
+
+def _wait_for_collective(op_name: str, out) -> None:
+    """A collective's output tensors hold the result only once it completes; wait for it before
+    recording them (the caller would wait for it next anyway). A c10d op returns its Work; a
+    functional collective returns tensors that `_c10d_functional.wait_tensor` completes."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    if op_name.startswith("c10d."):
+        for item in items:
+            if not isinstance(item, torch.Tensor) and callable(getattr(item, "wait", None)):
+                item.wait()
+    elif not op_name.startswith("_c10d_functional.wait_tensor"):
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                torch.ops._c10d_functional.wait_tensor(item)
 
 
 def _joined_mid_call() -> bool:

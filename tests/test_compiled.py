@@ -1,0 +1,119 @@
+"""`torch.compile` (SPEC §7): dumped rounds run compiled code eagerly so its ops are seen; other
+rounds, and a sleeping probe, leave it compiled.
+
+A custom backend counts how often compiled code runs, so the tests see which rounds bypassed it.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+import atb_probe
+from conftest import config, dump, only_proc, op_dirs
+
+MESSAGE = "compiled code (torch.compile) runs eagerly while a round is dumped"
+
+
+class CountingBackend:
+    """A torch.compile backend that runs the captured graph and counts the runs."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def __call__(self, graph_module, example_inputs):
+        def run(*args):
+            self.runs += 1
+            return graph_module.forward(*args)
+        return run
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+
+
+def test_only_dumped_rounds_bypass_compiled_code(tmp_path, capfd):
+    backend = CountingBackend()
+    model = torch.compile(mlp(), backend=backend)
+    x = torch.randn(2, 4)
+    runs = []
+
+    @torch.no_grad()
+    def three_rounds():
+        for _ in range(3):
+            before = backend.runs
+            model(x)
+            runs.append(backend.runs - before)
+
+    root = dump(tmp_path, config(exec_range="1,1", save_child=True), three_rounds)
+    assert runs == [1, 0, 1]
+    proc = only_proc(root)
+    assert [p.name for p in proc.iterdir()] == ["1"]
+    assert op_dirs(proc / "1") == [
+        "0_Linear", "0_Linear/0_TKernel", "0_Linear/1_AddmmKernel", "1_ReLU",
+        "1_ReLU/0_ReluKernel", "2_Linear", "2_Linear/0_TKernel", "2_Linear/1_AddmmKernel"]
+    assert capfd.readouterr().err.count(MESSAGE) == 1
+
+
+def test_compiled_model_is_named_and_pathed_as_the_model_it_wraps(tmp_path):
+    model = torch.compile(mlp(), backend=CountingBackend())
+    root = dump(tmp_path, config(task="statistics"), lambda: model(torch.randn(2, 4)))
+    files = list((root / "info" / "model").rglob("*.json"))
+    assert [p.name for p in files] == ["Sequential_Forward.json"]
+    nodes = json.loads(files[0].read_text())["nodes"]
+    assert [(n["opName"], n["modulePath"]) for n in nodes] == [
+        ("Linear_0", "0"), ("ReLU_1", "1"), ("Linear_2", "2")]
+
+
+def test_dumped_results_equal_eager_execution(tmp_path):
+    eager = mlp()
+    x = torch.randn(3, 4)
+    expected = eager(x)
+    compiled = torch.compile(mlp(), backend=CountingBackend())
+    outputs = []
+    dump(tmp_path, config(exec_range="0,0", save_child=True),
+         lambda: [outputs.append(compiled(x)) for _ in range(2)])
+    assert all(torch.equal(out, expected) for out in outputs)
+
+
+def test_sleeping_probe_leaves_compiled_code_alone(tmp_path, capfd):
+    backend = CountingBackend()
+    model = torch.compile(mlp(), backend=backend)
+    x = torch.randn(2, 4)
+    atb_probe.enable(str(tmp_path), config(dump_enable=False))
+    try:
+        for _ in range(3):
+            model(x)
+    finally:
+        atb_probe.disable(timeout=60)
+    assert backend.runs == 3
+    assert MESSAGE not in capfd.readouterr().err
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x)) + x
+
+
+def test_a_compiled_submodule_is_seen_in_dumped_rounds(tmp_path):
+    """`module.compile()` in place, on one block of a model that is not compiled itself."""
+    backend = CountingBackend()
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block()).eval()
+    model[1].compile(backend=backend)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model(x)
+        assert backend.runs == 1
+        root = dump(tmp_path, config(exec_range="0,0", ids="1", save_child=True),
+                    lambda: [model(x) for _ in range(2)])
+    assert backend.runs == 2  # round 1 ran it compiled
+    assert op_dirs(only_proc(root) / "0") == [
+        "1_Block", "1_Block/0_Linear", "1_Block/0_Linear/0_TKernel",
+        "1_Block/0_Linear/1_AddmmKernel", "1_Block/1_ReluKernel", "1_Block/2_AddTensorKernel"]
