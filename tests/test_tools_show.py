@@ -59,9 +59,9 @@ def test_show_prints_processes_rounds_layers_and_ops_with_counts(llama_dump, cap
     proc = only_proc(llama_dump)
     rows0 = read_csv(proc / "0" / "statistic.csv")
     assert proc.name in out
-    assert f"round 0  task=all  {len(rows0)} tensors" in out
-    assert f"2_LlamaDecoderLayer  {len(rows0)} tensors" in out
-    assert "1_LlamaAttention" in out             # depth 2: the layer's children
+    assert f"round 0  model=LlamaForCausalLM  task=all  {len(rows0)} tensors" in out
+    assert f"2_LlamaDecoderLayer (model.layers.0)  {len(rows0)} tensors" in out
+    assert "1_LlamaAttention (model.layers.0.self_attn)" in out  # depth 2: the layer's children
     assert "0_Linear" not in out                 # depth 3 is not shown
     assert "op(s) below" in out
 

@@ -89,7 +89,7 @@ class Model:
             self.paths.setdefault(m, path)
             if getattr(m, "_compiled_call_impl", None) is not None or _uncompiled(m) is not m:
                 self.compiled = True
-        self.phases: dict[str, dict] = {}  # phase -> the model file's document
+        self.phases: dict = {}  # phase -> its model file (recorder.ModelFile)
 
 
 def _uncompiled(module: nn.Module) -> nn.Module:
