@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import atb_probe
-from conftest import config, dump, only_proc, op_dirs
+from conftest import config, dump, only_proc, op_dirs, run_loaded
 
 MESSAGE = "compiled code (torch.compile) runs eagerly while a round is dumped"
 
@@ -117,3 +117,30 @@ def test_a_compiled_submodule_is_seen_in_dumped_rounds(tmp_path):
     assert op_dirs(only_proc(root) / "0") == [
         "1_Block", "1_Block/0_Linear", "1_Block/0_Linear/0_TKernel",
         "1_Block/0_Linear/1_AddmmKernel", "1_Block/1_ReluKernel", "1_Block/2_AddTensorKernel"]
+
+
+BERT_COMPILED = """
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+torch.manual_seed(0)
+model = BertForSequenceClassification(BertConfig(
+    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    intermediate_size=64, max_position_embeddings=64)).eval()
+compiled = torch.compile(model, backend="eager")
+tokens = torch.randint(0, 64, (1, 6))
+with torch.no_grad():
+    outputs = [compiled(tokens).logits for _ in range(3)]
+    print("EQUAL", all(torch.equal(o, model(tokens).logits) for o in outputs))
+"""
+
+
+def test_compiled_encoder_through_the_load_script(tmp_path):
+    """A compiled BERT in an unmodified program: the dumped round shows its layers."""
+    result = run_loaded(tmp_path, BERT_COMPILED, config(exec_range="1,1"))
+    assert result.returncode == 0, result.stderr
+    assert "EQUAL True" in result.stdout
+    assert result.stderr.count(MESSAGE) == 1
+    round_dir = only_proc(tmp_path / "atb_dump_data") / "1"
+    assert [d for d in op_dirs(round_dir) if "/" not in d and d[0].isdigit()] == [
+        "0_BertEmbeddings", "1_BertLayer", "2_BertLayer", "3_BertPooler", "4_Dropout",
+        "5_Linear"]
