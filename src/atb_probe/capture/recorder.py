@@ -6,6 +6,7 @@ tensor's device and a private host copy of the bytes. Encoding and disk I/O happ
 """
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from functools import lru_cache
@@ -32,6 +33,9 @@ class Recorder:
         self._static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # (model name, layer name, id) -> nodes written in that layer's structure file
         self._layer_files: dict[tuple[str, str, str], int] = {}
+        # Guards `_layer_files` and every model's `phases`: model threads end layers and rounds
+        # concurrently when a server runs one model in several threads.
+        self._structure_lock = threading.Lock()
         self.stats = StatsCache()
 
     # -- module ops -------------------------------------------------------------------------
@@ -259,42 +263,46 @@ class Recorder:
         if collect:
             key = (model.name, frame.name, frame.op_id)
             count = _count(node)
-            if self._layer_files.get(key, -1) < count:
+            with self._structure_lock:
+                if self._layer_files.get(key, -1) >= count:
+                    return
                 self._layer_files[key] = count
-                folder = f"info/layer/{self.probe.devpid}"
-                if not model.first:
-                    folder += f"/{model.name}"
-                self.probe.writer.put_json(folder, f"{frame.name}_{frame.op_id}.json", node)
+            folder = f"info/layer/{self.probe.devpid}"
+            if not model.first:
+                folder += f"/{model.name}"
+            self.probe.writer.put_json(folder, f"{frame.name}_{frame.op_id}.json", node)
 
     def end_round(self, rnd) -> None:
         """The round's model file (SPEC §5): written at the first round of its model and phase
         that had layer-level ops; its `rounds` grow with every later round of that phase."""
         self.probe.round_dumped()
         model = rnd.model
-        file = model.phases.get(rnd.phase)
-        if file is None:
-            if not rnd.layer_nodes:
-                return
-            file = model.phases[rnd.phase] = ModelFile({
-                "modelName": f"{model.name}_{rnd.phase}", "modelType": model.name,
-                "phase": rnd.phase, "param": _model_param(rnd.root_module), "rounds": [],
-                "nodes": rnd.layer_nodes})
-        if file.add_round(rnd.index):
-            self._write_model_file(model, file)
+        with self._structure_lock:  # threads serving one model end rounds side by side
+            file = model.phases.get(rnd.phase)
+            if file is None:
+                if not rnd.layer_nodes:
+                    return
+                file = model.phases[rnd.phase] = ModelFile({
+                    "modelName": f"{model.name}_{rnd.phase}", "modelType": model.name,
+                    "phase": rnd.phase, "param": _model_param(rnd.root_module), "rounds": [],
+                    "nodes": rnd.layer_nodes})
+            if file.add_round(rnd.index):
+                self._write_model_file(file)
 
     def flush_model_files(self, models) -> None:
         """Write the model files whose `rounds` changed since they were last written."""
-        for model in models:
-            for file in model.phases.values():
-                if file.dirty:
-                    self._write_model_file(model, file)
+        with self._structure_lock:
+            for model in models:
+                for file in model.phases.values():
+                    if file.dirty:
+                        self._write_model_file(file)
 
-    def _write_model_file(self, model, file: ModelFile) -> None:
+    def _write_model_file(self, file: ModelFile) -> None:
+        """(Holding `_structure_lock`.) Queue the model file as it is now."""
         file.dirty = False
         file.written_at = time.monotonic()
-        doc = file.doc
         # Serialised later, on the writer thread: hand over a copy of what keeps changing.
-        doc = dict(doc, rounds=[list(r) for r in doc["rounds"]])
+        doc = dict(file.doc, rounds=[list(r) for r in file.doc["rounds"]])
         self.probe.writer.put_json(f"info/model/{self.probe.devpid}",
                                    f"{doc['modelName']}.json", doc)
 
