@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 from . import extras
 from .align import Alignment, Unmatched, align_dumps, squeezed
@@ -27,20 +25,13 @@ from .arrays import load_values
 from .comparison import CompareError, CompareResult, PairResult, TensorRef
 from .divergence import Finding, Thresholds, crosses, first_divergence
 from .dumpreader import DumpError, NoData, open_dump
+from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import array_stats, compare_arrays, stats_metrics
 from .opmap import OpMap, load_map
 
 MODES = ("auto", "tensor", "statistics")
 BATCH_ELEMENTS = 1 << 23     # elements per batch sent to a worker (32 MB of float32 per side)
 BATCH_PAIRS = 512            # and at most this many pairs: small tensors cost per file
-
-
-def default_jobs() -> int:
-    """The cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def compare_dumps(golden: str, target: str, mode: str = "auto",
@@ -111,13 +102,7 @@ def run_pairs(work: list[tuple[TensorRef, TensorRef, str]], mode: str, jobs: int
                 advance(len(batch))
         return rows
     rows = []
-    # forkserver: workers start from a clean process, not a copy of one that may hold torch's
-    # thread pools or a progress bar's lock; spawn where there is no forkserver.
-    try:
-        context = get_context("forkserver")
-    except ValueError:
-        context = get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(batches)), mp_context=context) as pool:
+    with worker_pool(min(jobs, len(batches))) as pool:
         for batch, done in zip(batches, pool.map(compare_batch, batches,
                                                  [mode] * len(batches))):
             rows.extend(done)
@@ -333,29 +318,3 @@ def _print_unmatched(out, unmatched: list[Unmatched], limit: int = 10) -> None:
                   + (f" ({u.count} ops)" if u.kind == "op" and u.count > 1 else ""))
     if len(unmatched) > limit:
         out.print(f"  ... and {len(unmatched) - limit} more")
-
-
-class progress_bar:
-    """A rich progress bar on stderr while work is done (silent when not a terminal)."""
-
-    def __init__(self, console, label: str):
-        self.console = console
-        self.label = label
-        self.bar = None
-
-    def __enter__(self):
-        return self.start
-
-    def start(self, total: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-        self.bar = Progress(self.label, BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                            console=self.console, transient=True,
-                            disable=not self.console.is_terminal)
-        self.bar.start()
-        task = self.bar.add_task(self.label, total=total)
-        return lambda n=1: self.bar.advance(task, n)
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()
-        return False

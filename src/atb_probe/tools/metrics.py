@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-CHUNK = 1 << 15   # elements per pass: two float64 chunks and their temporaries fit in L2
+CHUNK = 1 << 16   # elements per pass: two float64 chunks and their temporaries fit in L2
 
 Stats = tuple[float, float, float, float]   # max, min, mean, L2 norm
 
@@ -105,7 +105,7 @@ def compare_arrays(golden: np.ndarray, target: np.ndarray, loose_shapes: bool = 
         for start in range(0, n, CHUNK):
             gs, ts = g[start:start + CHUNK], t[start:start + CHUNK]
             gc, tc = gs.astype(np.float64), ts.astype(np.float64)
-            gg, tt = float(np.dot(gc, gc)), float(np.dot(tc, tc))
+            gg, tt = _dot(gc, gc), _dot(tc, tc)
             if not (math.isfinite(gg) and math.isfinite(tt)):
                 g_bad, t_bad = ~np.isfinite(gc), ~np.isfinite(tc)
                 if g_bad.any() or t_bad.any():
@@ -117,13 +117,13 @@ def compare_arrays(golden: np.ndarray, target: np.ndarray, loose_shapes: bool = 
                     gc[g_bad] = 0.0
                     tc[t_bad] = 0.0
                     gs, ts = gc, tc
-                    gg, tt = float(np.dot(gc, gc)), float(np.dot(tc, tc))
+                    gg, tt = _dot(gc, gc), _dot(tc, tc)
             diff = tc - gc
-            acc.dd += float(np.dot(diff, diff))
+            acc.dd += _dot(diff, diff)
             acc.max_abs = max(acc.max_abs, float(diff.max()), -float(diff.min()))
             acc.gg += gg
             acc.tt += tt
-            acc.gt += float(np.dot(gc, tc))
+            acc.gt += _dot(gc, tc)
             acc.side(0, gc)
             acc.side(1, tc)
             # msprobe works in the inputs' own float type (float32 for fp32/bf16/fp16 data), so
@@ -180,6 +180,13 @@ class _Acc:
         return self.hi[i], self.lo[i], self.sum[i] / n, math.sqrt(squares)
 
 
+def _dot(a: np.ndarray, b: np.ndarray) -> float:
+    """The float64 dot product of two flat chunks, single-threaded: einsum's own loop, because
+    BLAS spreads a dot of this size over threads that, on a busy machine, wait for cores and
+    make it several times slower (and it competes with the other jobs)."""
+    return float(np.einsum("i,i->", a, b))
+
+
 def _squeezed(shape: tuple) -> tuple:
     return tuple(d for d in shape if d != 1)
 
@@ -196,7 +203,7 @@ def _cosine(gg: float, tt: float, gt: float) -> float | None:
 
 def cosine(g: np.ndarray, t: np.ndarray) -> float | None:
     """Cosine similarity of two flat float64 arrays (1.0 for two zero vectors)."""
-    return _cosine(float(np.dot(g, g)), float(np.dot(t, t)), float(np.dot(g, t)))
+    return _cosine(_dot(g, g), _dot(t, t), _dot(g, t))
 
 
 def array_stats(array: np.ndarray) -> Stats | None:
@@ -206,7 +213,7 @@ def array_stats(array: np.ndarray) -> Stats | None:
     x = np.abs(array) if np.iscomplexobj(array) else array
     x = np.asarray(x, dtype=np.float64).reshape(-1)
     with np.errstate(invalid="ignore", over="ignore"):
-        return float(x.max()), float(x.min()), float(x.mean()), float(np.linalg.norm(x))
+        return float(x.max()), float(x.min()), float(x.mean()), math.sqrt_dot(x, x)
 
 
 def stats_metrics(golden: Stats | None, target: Stats | None) -> StatsDiff:

@@ -34,15 +34,14 @@ import json
 import math
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from multiprocessing import get_context
 
 import numpy as np
 
 from . import extras
 from .arrays import load_values
 from .dumpreader import DumpError, NoData, Process, Round, open_dump
+from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import Stats
 
 FLOAT_DTYPES = frozenset({"float", "float16", "bf16", "double", "float8_e5m2", "float8_e4m3fn",
@@ -266,11 +265,7 @@ def scan_dump(path: str, settings: Settings = Settings(), jobs: int = 1,
             if advance:
                 advance(1)
         return results
-    try:
-        context = get_context("forkserver")
-    except ValueError:
-        context = get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(rounds)), mp_context=context) as pool:
+    with worker_pool(min(jobs, len(rounds))) as pool:
         for done in pool.map(_scan_round_at, *zip(*rounds), [settings] * len(rounds)):
             results.append(done)
             if advance:
@@ -300,7 +295,6 @@ def scan_compared(rows) -> list[RoundScan]:
 # -- command line --------------------------------------------------------------------------------
 
 def register(sub) -> None:
-    from .compare import default_jobs
     p = sub.add_parser(
         "scan", help="find the first op that made a NaN/Inf, and likely overflow sites",
         description="Read one dump in execution order and name, per process and round, the "
@@ -327,7 +321,6 @@ def _scan(args) -> int:
     if not extras.require("scan", "rich"):
         return 2
     from rich.console import Console
-    from .compare import default_jobs, progress_bar
     if args.growth <= 0 or args.floor < 0 or (args.jobs is not None and args.jobs < 1):
         print("atb-probe scan: --growth must be > 0, --floor >= 0 and --jobs >= 1",
               file=sys.stderr)
