@@ -213,7 +213,7 @@ def array_stats(array: np.ndarray) -> Stats | None:
     x = np.abs(array) if np.iscomplexobj(array) else array
     x = np.asarray(x, dtype=np.float64).reshape(-1)
     with np.errstate(invalid="ignore", over="ignore"):
-        return float(x.max()), float(x.min()), float(x.mean()), math.sqrt_dot(x, x)
+        return float(x.max()), float(x.min()), float(x.mean()), math.sqrt(_dot(x, x))
 
 
 def stats_metrics(golden: Stats | None, target: Stats | None) -> StatsDiff:
