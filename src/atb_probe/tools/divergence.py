@@ -78,6 +78,9 @@ class Finding:
             ratio = m.one_thousandth_ratio
             ratio_text = "N/A" if ratio is None else f"{ratio:.4f}"
             what = f"cosine {cos}, 1‰-ratio {ratio_text}, max abs err {_num(m.max_abs_err)}"
+        elif r.diffs.norm_rel_pct is None and r.golden_stats and r.target_stats:
+            what = (f"norm {_num(r.target_stats[3])} against the golden "
+                    f"{_num(r.golden_stats[3])}")
         else:
             what = f"relative norm error {_num(r.diffs.norm_rel_pct)}%"
         where = f"round {self.round_index}, {self.where()} ({r.name.rsplit('/', 1)[1]})"

@@ -35,13 +35,20 @@ def relative_error(row: PairResult) -> float | None:
         euc = row.metrics.euc_distance
         if euc is None:
             return math.inf if row.note.startswith("nan_mismatch") else None
+        if golden_norm is None or not math.isfinite(golden_norm):
+            return 0.0 if euc == 0 else None     # NaN/Inf at the same places on both sides
         if not golden_norm:
             return 0.0 if euc == 0 else math.inf
         return euc / golden_norm
     if row.mode == "statistics":
         rel = row.diffs.norm_rel_pct
         if rel is None:
-            return None if golden_norm is None else math.inf
+            target_norm = None if row.target_stats is None else row.target_stats[3]
+            if golden_norm is None or target_norm is None:
+                return None
+            if not math.isfinite(golden_norm) and not math.isfinite(target_norm):
+                return None   # NaN/Inf on both sides: the norms say nothing about the rest
+            return math.inf
         return rel / 100
     return None
 
@@ -236,8 +243,7 @@ def _scan(result: CompareResult) -> str:
     for scanned in result.scan:
         where = f"{_e(scanned.side)} {_e(scanned.process)} round {scanned.round_index}"
         if scanned.first is not None:
-            items.append(f"<li><b>{where}: first NaN/Inf</b> {_e(scanned.first.summary(scanned))}"
-                         "</li>")
+            items.append(f"<li><b>{where}:</b> {_e(scanned.first.summary(scanned))}</li>")
         for g in scanned.growth[:20]:
             items.append(f"<li>{where}: growth warning: {_e(g.summary())}</li>")
         if len(scanned.growth) > 20:
