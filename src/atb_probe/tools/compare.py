@@ -1,18 +1,22 @@
 """`atb-probe compare GOLDEN TARGET [-o OUT]`: compare two dumps tensor by tensor.
 
 GOLDEN and TARGET are dumps opened at the same level (roots, `<dev>_<pid>` folders or round
-folders; see dumpreader). Tensors are paired by align.py, compared by metrics.py, judged by
-divergence.py; this module runs that pipeline and writes the results:
-
-* `atb_compare_result.csv` and `.xlsx` — one row per tensor pair. The first columns are those of
-  msprobe's ATB compare, under its names, in its order (tensor metrics, then statistics
-  differences, then the statistics of each side); our own columns come after them.
-* `atb_compare_report.html` — self-contained: the first divergence, an error plot per round, a
-  per-layer summary, what could not be matched, and the table.
+folders; see dumpreader). The pipeline: align.py pairs processes, rounds, ops and tensors (by
+ID, by name, by an op map, or by execution order and shape between two implementations);
+metrics.py compares each pair; divergence.py judges them and finds the first diverging op;
+scan.py looks at each side's compared tensors for NaN/Inf and overflow. The results are
+records (comparison.py), written by the renderers: resulttable.py (`atb_compare_result.csv`
+and `.xlsx`, msprobe's columns first) and report.py (`atb_compare_report.html`).
 
 Compare mode per tensor (`--mode auto`, the default): tensor metrics when both sides have the
 bytes, else statistics differences from the csv (or from the bytes of the side that has them),
 else `no data`.
+
+Scale: the alignment reads only the statistic.csv files, in this process; the pairs are then
+cut into batches (`BATCH_ELEMENTS`, `BATCH_PAIRS`) and compared `--jobs` at a time in worker
+processes (jobs.py). A worker holds one pair of tensors at a time and reduces it in chunks, so
+memory grows with the number of jobs, not with the dump; the rows (a few hundred bytes each)
+are collected here, in execution order.
 """
 from __future__ import annotations
 
