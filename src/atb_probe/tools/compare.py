@@ -32,6 +32,7 @@ from .dumpreader import DumpError, NoData, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import array_stats, compare_arrays, stats_metrics
 from .opmap import OpMap, load_map
+from .scan import scan_compared
 
 MODES = ("auto", "tensor", "statistics")
 BATCH_ELEMENTS = 1 << 23     # elements per batch sent to a worker (32 MB of float32 per side)
@@ -85,7 +86,6 @@ def compare_dumps(golden: str, target: str, mode: str = "auto",
             for r in sorted(rows[start:end], key=lambda r: r.order)]
     if finding is not None:
         finding.first_inside = _first_inside(rows, finding)
-    from .scan import scan_compared
     return CompareResult(g_dump.path, t_dump.path, mode, thresholds, rows, alignment.unmatched,
                          finding, [(rp.golden.index, rp.target.index) for rp in alignment.rounds],
                          alignment.name_matched, scan_compared(rows), max(1, jobs))
@@ -116,9 +116,11 @@ def run_pairs(work: list[tuple[TensorRef, TensorRef, str]], mode: str, jobs: int
 
 
 def _batches(work, batch_elements: int) -> list[list]:
+    """Consecutive pairs in batches of about `batch_elements` elements to read (a pair without
+    files costs nothing: a statistics dump is one batch, compared here)."""
     batches, current, size = [], [], 0
     for item in work:
-        n = max(_numel(item[0].shape), _numel(item[1].shape))
+        n = max(_numel(ref.shape) if ref.path else 0 for ref in item[:2])
         if current and (size + n > batch_elements or len(current) >= BATCH_PAIRS):
             batches.append(current)
             current, size = [], 0
