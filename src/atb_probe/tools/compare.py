@@ -24,7 +24,7 @@ import os
 import sys
 
 from . import extras
-from .align import Alignment, Unmatched, align_dumps, squeezed
+from .align import Alignment, Unmatched, align_dumps
 from .arrays import load_values
 from .comparison import CompareError, CompareResult, PairResult, TensorRef
 from .divergence import Finding, Thresholds, crosses, first_divergence
