@@ -34,7 +34,7 @@ from .opmap import OpMap
 _METHOD_RANK = {"id": 0, "name": 1, "map": 2, "order": 3}
 
 
-@dataclass
+@dataclass(slots=True)
 class OpNode:
     """An op of a round's tree; `op` is None for an ancestor that has no tensors itself."""
 
@@ -49,14 +49,14 @@ class OpNode:
         return (self.op is not None) + sum(c.count() for c in self.children)
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorPair:
     golden: TensorRecord
     target: TensorRecord
     method: str                  # id | name | map | order: how the ops on the way were paired
 
 
-@dataclass
+@dataclass(slots=True)
 class OpPair:
     golden: Op
     target: Op
@@ -64,7 +64,7 @@ class OpPair:
     tensors: list[TensorPair]
 
 
-@dataclass
+@dataclass(slots=True)
 class Unmatched:
     """Something only one side has: a process, a round, an op subtree or a tensor."""
 
@@ -75,14 +75,14 @@ class Unmatched:
     count: int = 1               # ops (or tensors) it stands for
 
 
-@dataclass
+@dataclass(slots=True)
 class RoundPair:
     golden: Round
     target: Round
     ops: list[OpPair]
 
 
-@dataclass
+@dataclass(slots=True)
 class Alignment:
     rounds: list[RoundPair]
     unmatched: list[Unmatched]

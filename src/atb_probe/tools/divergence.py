@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Thresholds:
     min_cosine: float = 0.99
     min_ratio: float = 0.9       # One Thousandth Err Ratio
@@ -50,7 +50,7 @@ def crosses(row, th: Thresholds) -> bool | None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class Finding:
     """The op to look at first, with the row of its worst output."""
 
