@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from atb_probe import cli
-from atb_probe.tools.compare import COLUMNS, CompareError, compare_dumps
+from atb_probe.tools.compare import CompareError, compare_dumps
+from atb_probe.tools.resulttable import COLUMNS
 from atb_probe.tools.divergence import Thresholds
 from atb_probe.tools.dumpreader import open_dump
 
@@ -77,17 +78,17 @@ def vs_bf16(golden, bf16):
 def test_compare_of_a_dump_with_itself_is_exact(golden):
     result = compare_dumps(str(golden), str(golden))
     assert len(result.rows) == sum(len(r.tensors) for r in open_dump(str(golden)).rounds)
-    assert {r["Target Execution Count"] for r in result.rows} == {"0", "1"}
+    assert {str(r.round_index) for r in result.rows} == {"0", "1"}
     for row in result.rows:
-        if row["Compare Mode"] == "no data":
-            assert row["Note"] == "empty tensor"
+        if row.mode == "no data":
+            assert row.note == "empty tensor"
             continue
-        assert row["Compare Mode"] == "tensor"
-        assert row["Cosine"] in (1.0, None)          # None: single-element tensors
-        assert row["Max Absolute Err"] == 0.0 and row["Euc Distance"] == 0.0
-        assert row["Max Relative Err"] == 0.0
-        assert row["One Thousandth Err Ratio"] == 1.0 and row["Five Thousandth Err Ratio"] == 1.0
-        assert row["Diverged"] == "no" and row["Match"] == "id"
+        assert row.mode == "tensor"
+        assert row.metrics.cosine in (1.0, None)          # None: single-element tensors
+        assert row.metrics.max_abs_err == 0.0 and row.metrics.euc_distance == 0.0
+        assert row.metrics.max_rel_err == 0.0
+        assert row.metrics.one_thousandth_ratio == 1.0 and row.metrics.five_thousandth_ratio == 1.0
+        assert row.diverged is False and row.match == "id"
     assert result.unmatched == [] and result.finding is None
 
 
@@ -96,14 +97,14 @@ def test_perturbed_layer_is_named_as_the_first_divergence(vs_broken):
     f = result.finding
     assert f is not None and f.inputs_clean
     assert (f.round_index, f.op_path) == (0, PERTURBED_OP)
-    assert f.row["Target Data Name"] == f"{PERTURBED_OP}/output.0"
+    assert f.row.name == f"{PERTURBED_OP}/output.0"
     # Everything that ran before it is bit-identical; inside it, the changed weight is the
     # first tensor that differs (the transpose kernel's input).
     before = [r for r in result.rows
-              if r["Target Execution Count"] == "0" and r["Order"] < f.row["Order"]
-              and r["Compare Mode"] == "tensor"]
-    inside = [r for r in before if r["Target Data Name"].startswith(PERTURBED_OP + "/")]
-    assert before and all(r["Max Absolute Err"] == 0.0 for r in before if r not in inside)
+              if str(r.round_index) == "0" and r.order < f.row.order
+              and r.mode == "tensor"]
+    inside = [r for r in before if r.name.startswith(PERTURBED_OP + "/")]
+    assert before and all(r.metrics.max_abs_err == 0.0 for r in before if r not in inside)
     assert f.first_inside == f"{PERTURBED_OP}/0_TKernel/input.0"
 
 
@@ -121,15 +122,15 @@ def test_the_named_op_is_the_one_whose_weights_were_changed(golden, broken):
 
 def test_bf16_against_fp32_gives_plausible_metrics(vs_bf16):
     result = vs_bf16
-    floats = [r for r in result.rows if r["Compare Mode"] == "tensor"
-              and r["Target Data Type"] == "bf16" and r["Cosine"] is not None]
+    floats = [r for r in result.rows if r.mode == "tensor"
+              and r.target.dtype == "bf16" and r.metrics.cosine is not None]
     assert len(floats) > 100
-    cosines = sorted(r["Cosine"] for r in floats)
+    cosines = sorted(r.metrics.cosine for r in floats)
     assert cosines[0] > 0.99 and cosines[len(cosines) // 2] > 0.9999
     assert all(c <= 1.0 + 1e-12 for c in cosines)
-    errors = [r["Max Absolute Err"] for r in floats]
+    errors = [r.metrics.max_abs_err for r in floats]
     assert sum(e > 0 for e in errors) > len(errors) // 2 and max(errors) < 0.5
-    assert any(r["Note"].startswith("dtype differs") for r in floats)
+    assert any(r.note.startswith("dtype differs") for r in floats)
 
 
 def test_bf16_only_casts_are_reported_as_unmatched_and_the_rest_paired_by_name(vs_bf16):
@@ -140,7 +141,7 @@ def test_bf16_only_casts_are_reported_as_unmatched_and_the_rest_paired_by_name(v
         assert (u.side, u.kind) == ("target", "op") and u.what.endswith("_ToCopyKernel")
     # The kernels after an extra cast keep their pairing: RMSNorm's PowTensorScalarKernel is
     # #0 in fp32 and #1 in bf16.
-    names = {(r["Golden Data Name"], r["Target Data Name"]) for r in result.rows}
+    names = {(r.golden.data_name, r.name) for r in result.rows}
     assert ("2_LlamaDecoderLayer/0_LlamaRMSNorm/0_PowTensorScalarKernel/output.0",
             "2_LlamaDecoderLayer/0_LlamaRMSNorm/1_PowTensorScalarKernel/output.0") in names
 
@@ -156,11 +157,11 @@ def test_a_statistics_dump_is_compared_by_its_statistics(tmp_path_factory, golde
     stats_only = llama_dump(tmp_path_factory, "stats", broken=True, task="statistics",
                             exec_range="0,0")
     result = compare_dumps(str(golden), str(stats_only))
-    modes = {r["Compare Mode"] for r in result.rows}
+    modes = {r.mode for r in result.rows}
     assert modes <= {"statistics", "no data"} and "statistics" in modes
     f = result.finding
     assert f is not None and f.op_path == PERTURBED_OP
-    assert f.row["Relative Err of Norm(%)"] == pytest.approx(10.0, rel=0.01)
+    assert f.row.diffs.norm_rel_pct == pytest.approx(10.0, rel=0.01)
     # Round 1 exists only in the golden dump.
     assert [(u.side, u.kind) for u in result.unmatched] == [("golden", "round")]
 
@@ -170,13 +171,13 @@ def test_header_only_kernels_fall_back_to_csv_statistics_or_report_no_data(tmp_p
     level2 = llama_dump(tmp_path_factory, "level2", broken=True, task="tensor", filter_level=2,
                         exec_range="0,0")
     result = compare_dumps(str(golden), str(level2))
-    kernels = [r for r in result.rows if r["Target Data Name"].split("/")[-2].endswith("Kernel")]
-    assert kernels and {r["Compare Mode"] for r in kernels} <= {"statistics", "no data"}
+    kernels = [r for r in result.rows if r.name.split("/")[-2].endswith("Kernel")]
+    assert kernels and {r.mode for r in kernels} <= {"statistics", "no data"}
     assert result.finding.op_path == PERTURBED_OP
     strict = compare_dumps(str(golden), str(level2), mode="tensor")
-    no_data = [r for r in strict.rows if r["Compare Mode"] == "no data"
-               and r["Note"] != "empty tensor"]
-    assert no_data and all("header-only" in r["Note"] for r in no_data)
+    no_data = [r for r in strict.rows if r.mode == "no data"
+               and r.note != "empty tensor"]
+    assert no_data and all("header-only" in r.note for r in no_data)
     assert strict.finding.op_path == PERTURBED_OP
 
 
@@ -239,8 +240,8 @@ def test_layer_level_dumps_name_the_perturbed_layer(tmp_path_factory, tmp_path, 
 
 def test_metrics_are_finite_where_present(vs_broken):
     for row in vs_broken.rows:
-        for column in ("Cosine", "Euc Distance", "Max Absolute Err", "Max Relative Err"):
-            value = row[column]
+        for column in ("cosine", "euc_distance", "max_abs_err", "max_rel_err"):
+            value = getattr(row.metrics, column)
             assert value is None or math.isfinite(value)
 
 
@@ -268,8 +269,8 @@ def test_msprobe_compare_accepts_our_dumps_and_agrees_with_our_metrics(msprobe, 
     import pandas as pd
     theirs = pd.read_excel(results[0], dtype=str, keep_default_na=False)
     assert list(theirs.columns) == MSPROBE_TENSOR_COLUMNS
-    ours = {r["Target Data Name"]: r for r in vs_broken.rows
-            if r["Target Execution Count"] == "0"}
+    ours = {r.name: r for r in vs_broken.rows
+            if str(r.round_index) == "0"}
     assert set(theirs["Target Data Name"]) == set(ours)
     compared = 0
     for _, row in theirs.iterrows():
@@ -277,15 +278,15 @@ def test_msprobe_compare_accepts_our_dumps_and_agrees_with_our_metrics(msprobe, 
         if row["Cosine"] in ("N/A", "unsupported"):
             continue  # reference files (msprobe never follows them), single elements
         compared += 1
-        assert mine["Cosine"] == pytest.approx(float(row["Cosine"]), abs=2e-6)
-        assert mine["Max Absolute Err"] == pytest.approx(float(row["Max Absolute Err"]),
+        assert mine.metrics.cosine == pytest.approx(float(row["Cosine"]), abs=2e-6)
+        assert mine.metrics.max_abs_err == pytest.approx(float(row["Max Absolute Err"]),
                                                          rel=1e-6, abs=1e-12)
-        assert mine["Max Relative Err"] == pytest.approx(float(row["Max Relative Err"]),
+        assert mine.metrics.max_rel_err == pytest.approx(float(row["Max Relative Err"]),
                                                          rel=1e-4, abs=1e-9)
-        assert mine["One Thousandth Err Ratio"] == pytest.approx(
+        assert mine.metrics.one_thousandth_ratio == pytest.approx(
             float(row["One Thousandth Err Ratio"]), abs=1e-9)
-        assert mine["Euc Distance"] == pytest.approx(float(row["Euc Distance"]), rel=1e-6,
-                                                     abs=1e-12)
+        assert mine.metrics.euc_distance == pytest.approx(float(row["Euc Distance"]),
+                                                          rel=1e-6, abs=1e-12)
     assert compared > 100
     # The perturbed op's matmul diverges in msprobe's numbers too (the op's own output file is
     # a reference to the matmul's bytes at filter_level 1, which msprobe shows as N/A).

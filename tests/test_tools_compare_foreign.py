@@ -118,16 +118,16 @@ def test_a_foreign_tree_is_compared_and_the_wrong_kernel_named(trees):
     golden, target = trees
     result = compare_dumps(str(golden), str(target))
     assert result.unmatched == []
-    assert len(result.rows) == 14 and {r["Compare Mode"] for r in result.rows} == {"tensor"}
+    assert len(result.rows) == 14 and {r.mode for r in result.rows} == {"tensor"}
     f = result.finding
     assert f is not None and f.inputs_clean
     assert f.op_path == "1_LinearOperation/0_MatMulV2Kernel"
-    assert f.row["Target Data Name"] == "1_LinearOperation/0_MatMulV2Kernel/output.0_y"
-    by_name = {r["Target Data Name"]: r for r in result.rows}
+    assert f.row.name == "1_LinearOperation/0_MatMulV2Kernel/output.0_y"
+    by_name = {r.name: r for r in result.rows}
     # Reference files are compared through the bytes they point at.
-    assert by_name["1_LinearOperation/input.0"]["Max Absolute Err"] == 0.0
-    assert by_name["0_GatherOperation/0_Gather16I64Kernel/output.0"]["Cosine"] == 1.0
-    assert by_name["2_CastOperation/output.0"]["Diverged"] == "yes"
+    assert by_name["1_LinearOperation/input.0"].metrics.max_abs_err == 0.0
+    assert by_name["0_GatherOperation/0_Gather16I64Kernel/output.0"].metrics.cosine == 1.0
+    assert by_name["2_CastOperation/output.0"].diverged is True
 
 
 def test_a_foreign_tree_without_statistic_csv_is_read_from_its_folders(trees):
@@ -148,7 +148,7 @@ def test_different_kernel_ids_are_paired_by_name_and_the_extra_one_reported(tmp_
     f = result.finding
     assert (f.op_path, f.golden_op_path) == ("1_LinearOperation/1_MatMulV2Kernel",
                                               "1_LinearOperation/0_MatMulV2Kernel")
-    assert f.row["Match"] == "name"
+    assert f.row.match == "name"
 
 
 def test_show_and_parse_read_a_foreign_tree(trees, tmp_path, capsys):

@@ -4,27 +4,28 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from atb_probe.tools.comparison import PairResult, TensorRef
 from atb_probe.tools.divergence import Thresholds, crosses, first_divergence
-from atb_probe.tools.metrics import stats_metrics, tensor_metrics
+from atb_probe.tools.metrics import (StatsDiff, TensorMetrics, compare_arrays, stats_metrics,
+                                     tensor_metrics)
 
 
 def test_identical_arrays_are_exactly_equal():
     a = np.linspace(-3, 5, 64, dtype=np.float32).reshape(8, 8)
     m, note = tensor_metrics(a, a.copy())
     assert note == ""
-    assert m == {"Cosine": 1.0, "Euc Distance": 0.0, "Max Absolute Err": 0.0,
-                 "Max Relative Err": 0.0, "One Thousandth Err Ratio": 1.0,
-                 "Five Thousandth Err Ratio": 1.0}
+    assert m == TensorMetrics(cosine=1.0, euc_distance=0.0, max_abs_err=0.0, max_rel_err=0.0,
+                              one_thousandth_ratio=1.0, five_thousandth_ratio=1.0)
 
 
 def test_a_one_percent_scale_has_known_errors():
     golden = np.arange(1, 101, dtype=np.float64)
     m, _ = tensor_metrics(golden, golden * 1.01)
-    assert m["Cosine"] == pytest.approx(1.0)
-    assert m["Max Relative Err"] == pytest.approx(0.01)
-    assert m["Max Absolute Err"] == pytest.approx(1.0)
-    assert m["Euc Distance"] == pytest.approx(0.01 * np.linalg.norm(golden))
-    assert m["One Thousandth Err Ratio"] == 0.0 and m["Five Thousandth Err Ratio"] == 0.0
+    assert m.cosine == pytest.approx(1.0)
+    assert m.max_rel_err == pytest.approx(0.01)
+    assert m.max_abs_err == pytest.approx(1.0)
+    assert m.euc_distance == pytest.approx(0.01 * np.linalg.norm(golden))
+    assert m.one_thousandth_ratio == 0.0 and m.five_thousandth_ratio == 0.0
 
 
 def test_ratios_count_the_share_of_elements_within_the_bound():
@@ -33,46 +34,52 @@ def test_ratios_count_the_share_of_elements_within_the_bound():
     target[:3] += 0.002      # 2‰: outside 1‰, inside 5‰
     target[3] += 0.01        # 1%: outside both
     m, _ = tensor_metrics(golden, target)
-    assert m["One Thousandth Err Ratio"] == pytest.approx(0.6)
-    assert m["Five Thousandth Err Ratio"] == pytest.approx(0.9)
+    assert m.one_thousandth_ratio == pytest.approx(0.6)
+    assert m.five_thousandth_ratio == pytest.approx(0.9)
 
 
 def test_opposite_vectors_have_cosine_minus_one():
     g = np.array([1.0, 2.0, 3.0])
-    assert tensor_metrics(g, -g)[0]["Cosine"] == pytest.approx(-1.0)
+    assert tensor_metrics(g, -g)[0].cosine == pytest.approx(-1.0)
 
 
 def test_nan_at_the_same_places_is_ignored_and_elsewhere_flagged():
     g = np.array([1.0, np.nan, 3.0, np.inf])
     m, note = tensor_metrics(g, g.copy())
-    assert note == "" and m["Max Absolute Err"] == 0.0
+    assert note == "" and m.max_abs_err == 0.0
     t = np.array([1.0, 2.0, np.nan, np.inf])
     m, note = tensor_metrics(g, t)
-    assert note.startswith("nan_mismatch") and m["Cosine"] is None
+    assert note.startswith("nan_mismatch") and m.cosine is None
 
 
 def test_shape_mismatch_gives_no_metrics_and_says_why():
     m, note = tensor_metrics(np.zeros((2, 3)), np.zeros((3, 2)))
-    assert set(m.values()) == {None} and "shape differs" in note
+    assert m == TensorMetrics() and "shape differs" in note
 
 
 def test_single_elements_have_no_cosine():
     m, _ = tensor_metrics(np.array([2.0]), np.array([2.0]))
-    assert m["Cosine"] is None and m["Max Absolute Err"] == 0.0
+    assert m.cosine is None and m.max_abs_err == 0.0
 
 
 def test_statistics_differences_follow_msprobe():
     m = stats_metrics((4.0, -2.0, 0.0, 10.0), (5.0, -2.0, 1.0, 9.0))
-    assert m["Max Diff"] == 1.0 and m["Relative Err of Max(%)"] == 25.0
-    assert m["Min Diff"] == 0.0 and m["Relative Err of Min(%)"] == 0.0
-    assert m["Mean Diff"] == 1.0 and m["Relative Err of Mean(%)"] is None   # golden 0
-    assert m["Norm Diff"] == -1.0 and m["Relative Err of Norm(%)"] == 10.0
+    assert m.max_diff == 1.0 and m.max_rel_pct == 25.0
+    assert m.min_diff == 0.0 and m.min_rel_pct == 0.0
+    assert m.mean_diff == 1.0 and m.mean_rel_pct is None   # golden 0
+    assert m.norm_diff == -1.0 and m.norm_rel_pct == 10.0
 
 
-def row(mode="tensor", cos=1.0, ratio=1.0, rel_norm=None, g_norm=1.0, t_norm=1.0, note=""):
-    return {"Compare Mode": mode, "Cosine": cos, "One Thousandth Err Ratio": ratio,
-            "Relative Err of Norm(%)": rel_norm, "Golden Norm": g_norm, "Target Norm": t_norm,
-            "Note": note}
+def ref(order=0, io="output"):
+    return TensorRef("0_Op/output.0", "0_1", 0, "float", "4", None, None, order, "0_Op", io)
+
+
+def row(mode="tensor", cos=1.0, ratio=1.0, rel_norm=None, g_norm=1.0, t_norm=1.0, note="",
+        diverged=None, order=0, io="output"):
+    return PairResult(ref(order, io), ref(order, io), "id", mode,
+                      TensorMetrics(cosine=cos, one_thousandth_ratio=ratio),
+                      StatsDiff(norm_rel_pct=rel_norm), (1.0, 0.0, 0.5, g_norm),
+                      (1.0, 0.0, 0.5, t_norm), diverged, note)
 
 
 def test_default_thresholds_are_those_of_the_issue():
@@ -89,14 +96,46 @@ def test_default_thresholds_are_those_of_the_issue():
 
 def test_first_divergence_skips_ops_whose_inputs_already_differ():
     def r(diverged, order):
-        return {"Diverged": diverged, "Order": order}
+        return row(diverged=diverged, order=order)
     ops = [
-        (0, "0_A", "0_A", [r("no", 0)], [r("no", 1)]),
-        (0, "1_B", "1_B", [r("yes", 2)], [r("yes", 3)]),   # bad input: not the origin
-        (0, "2_C", "2_C", [r("no", 4)], [r("yes", 5)]),
+        (0, "0_A", "0_A", [r(False, 0)], [r(False, 1)]),
+        (0, "1_B", "1_B", [r(True, 2)], [r(True, 3)]),   # bad input: not the origin
+        (0, "2_C", "2_C", [r(False, 4)], [r(True, 5)]),
     ]
     f = first_divergence(ops, Thresholds())
     assert f.op_path == "2_C" and f.inputs_clean
     f = first_divergence(ops[:2], Thresholds())
     assert f.op_path == "1_B" and not f.inputs_clean
     assert first_divergence(ops[:1], Thresholds()) is None
+
+
+def test_chunked_metrics_equal_the_whole_array_definitions():
+    """Tensors longer than a chunk give the numbers of the one-pass formulas."""
+    rng = np.random.default_rng(0)
+    golden = rng.standard_normal(100_003).astype(np.float32)
+    golden[::97] = 0.0
+    target = (golden * (1 + rng.standard_normal(golden.size) * 1e-3)).astype(np.float32)
+    m, note, g_stats, t_stats = compare_arrays(golden, target)
+    g, t = golden.astype(np.float64), target.astype(np.float64)
+    eps = np.finfo(np.float32).eps
+    gw, tw = golden.copy(), target.copy()
+    gw[golden == 0] += eps
+    tw[golden == 0] += eps
+    rel = np.abs((tw - gw) / gw)
+    assert note == ""
+    assert m.cosine == pytest.approx(np.dot(g, t) / np.linalg.norm(g) / np.linalg.norm(t),
+                                     abs=1e-12)
+    assert m.euc_distance == pytest.approx(np.linalg.norm(t - g), rel=1e-12)
+    assert m.max_abs_err == np.max(np.abs(t - g))
+    assert m.max_rel_err == pytest.approx(float(rel.max()), rel=1e-6)
+    assert m.one_thousandth_ratio == np.mean(rel < 0.001)
+    assert g_stats == pytest.approx((g.max(), g.min(), g.mean(), np.linalg.norm(g)), rel=1e-9)
+    assert t_stats[3] == pytest.approx(np.linalg.norm(t), rel=1e-12)
+
+
+def test_size_one_dimensions_are_ignored_only_when_asked():
+    a = np.arange(12, dtype=np.float32)
+    m, note, _, _ = compare_arrays(a.reshape(1, 3, 4), a.reshape(3, 4), loose_shapes=True)
+    assert note == "" and m.max_abs_err == 0.0 and m.cosine == 1.0
+    m, note = tensor_metrics(a.reshape(1, 3, 4), a.reshape(3, 4))
+    assert m == TensorMetrics() and "shape differs" in note

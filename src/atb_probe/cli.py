@@ -12,7 +12,7 @@ import atb_probe
 # Our own tools never dump themselves, even when started from a shell that loaded the probe.
 atb_probe._suppressed = True
 
-SUBCOMMANDS = ("where", "run", "demo", "status", "show", "parse", "compare")
+SUBCOMMANDS = ("where", "run", "demo", "status", "show", "parse", "compare", "scan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Thresholds:
     min_cosine: float = 0.99
     min_ratio: float = 0.9       # One Thousandth Err Ratio
@@ -27,54 +27,63 @@ class Thresholds:
                 f"relative norm error > {self.max_norm_err:g}% (statistics mode)")
 
 
-def crosses(row: dict, th: Thresholds) -> bool | None:
-    """Whether one compared tensor (a result row) crosses the thresholds; None: no data."""
-    mode = row["Compare Mode"]
-    if mode == "tensor":
-        if row["Note"].startswith("nan_mismatch"):
+def crosses(row, th: Thresholds) -> bool | None:
+    """Whether one compared pair (a compare.PairResult) crosses the thresholds; None: no data."""
+    if row.mode == "tensor":
+        if row.note.startswith("nan_mismatch"):
             return True
-        cos, ratio = row["Cosine"], row["One Thousandth Err Ratio"]
+        cos, ratio = row.metrics.cosine, row.metrics.one_thousandth_ratio
         if cos is None and ratio is None:
             return None
         return (cos is not None and cos < th.min_cosine) or \
             (ratio is not None and ratio < th.min_ratio)
-    if mode == "statistics":
-        g, t = row["Golden Norm"], row["Target Norm"]
-        if g is None or t is None:
+    if row.mode == "statistics":
+        if row.golden_stats is None or row.target_stats is None:
             return None
+        g, t = row.golden_stats[3], row.target_stats[3]
         if not math.isfinite(t) or not math.isfinite(g):
             return math.isfinite(g) != math.isfinite(t)
-        rel = row["Relative Err of Norm(%)"]
+        rel = row.diffs.norm_rel_pct
         if rel is None:               # golden norm 0
             return t != 0
         return rel > th.max_norm_err
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class Finding:
     """The op to look at first, with the row of its worst output."""
 
     round_index: int
     op_path: str                 # target's op path: `3_LlamaDecoderLayer/1_LlamaAttention/6_Linear`
     golden_op_path: str
-    row: dict                    # the first crossing output row
+    row: object                  # the first crossing output (a comparison.PairResult)
     inputs_clean: bool           # False: no op had clean inputs; this is the first crossing one
     order: int                   # position in the target round
     first_inside: str = ""       # the first crossing tensor within the op (a child's), if any
 
+    def where(self) -> str:
+        """The op of both sides: `3_Prefill_layer ↔ 4_LlamaDecoderLayer` (target first), or the
+        one path when both runs name it alike."""
+        if self.golden_op_path == self.op_path:
+            return self.op_path
+        return f"{self.op_path} ↔ {self.golden_op_path}"
+
     def summary(self) -> str:
         """One line for the console and the report."""
         r = self.row
-        if r["Compare Mode"] == "tensor":
-            cos = "N/A" if r["Cosine"] is None else f"{r['Cosine']:.6f}"
-            ratio = r["One Thousandth Err Ratio"]
+        m = r.metrics
+        if r.mode == "tensor":
+            cos = "N/A" if m.cosine is None else f"{m.cosine:.6f}"
+            ratio = m.one_thousandth_ratio
             ratio_text = "N/A" if ratio is None else f"{ratio:.4f}"
-            what = (f"cosine {cos}, 1‰-ratio {ratio_text}, max abs err "
-                    f"{_num(r['Max Absolute Err'])}")
+            what = f"cosine {cos}, 1‰-ratio {ratio_text}, max abs err {_num(m.max_abs_err)}"
+        elif r.diffs.norm_rel_pct is None and r.golden_stats and r.target_stats:
+            what = (f"norm {_num(r.target_stats[3])} against the golden "
+                    f"{_num(r.golden_stats[3])}")
         else:
-            what = f"relative norm error {_num(r['Relative Err of Norm(%)'])}%"
-        where = f"round {self.round_index}, {self.op_path} ({r['Target Data Name'].rsplit('/', 1)[1]})"
+            what = f"relative norm error {_num(r.diffs.norm_rel_pct)}%"
+        where = f"round {self.round_index}, {self.where()} ({r.name.rsplit('/', 1)[1]})"
         if self.inputs_clean:
             inside = (f"; inside it, {self.first_inside} is the first to differ"
                       if self.first_inside else "")
@@ -92,12 +101,12 @@ def first_divergence(ops, th: Thresholds) -> Finding | None:
     (filled by the caller) names the earliest of them."""
     fallback = None
     for round_index, op_path, golden_path, in_rows, out_rows in ops:
-        bad_out = [r for r in out_rows if r["Diverged"] == "yes"]
+        bad_out = [r for r in out_rows if r.diverged]
         if not bad_out:
             continue
-        clean = not any(r["Diverged"] == "yes" for r in in_rows)
+        clean = not any(r.diverged for r in in_rows)
         finding = Finding(round_index, op_path, golden_path, bad_out[0], clean,
-                          bad_out[0]["Order"])
+                          bad_out[0].order)
         if clean:
             return finding
         fallback = fallback or finding

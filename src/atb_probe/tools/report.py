@@ -12,6 +12,10 @@ import datetime
 import html
 import math
 
+from .comparison import CompareResult, PairResult
+from .resulttable import FIELDS
+
+REPORT_HTML = "atb_compare_report.html"
 MAX_TABLE_ROWS = 5000
 MAX_PLOTS = 8
 _FLOOR, _CEIL = -12, 2        # log10 range of the plot's y axis
@@ -21,31 +25,41 @@ TABLE_COLUMNS = ("Target Execution Count", "Target Data Name", "Golden Data Name
                  "Match", "Cosine", "Max Absolute Err", "Max Relative Err",
                  "One Thousandth Err Ratio", "Five Thousandth Err Ratio", "Euc Distance",
                  "Relative Err of Norm(%)", "Diverged", "Note")
+_TABLE_GETTERS = tuple(dict(FIELDS)[c] for c in TABLE_COLUMNS)
 
 
-def relative_error(row: dict) -> float | None:
+def relative_error(row: PairResult) -> float | None:
     """The plotted error of a row; None when the row has no data."""
-    if row["Compare Mode"] == "tensor":
-        euc, norm = row["Euc Distance"], row["Golden Norm"]
+    golden_norm = None if row.golden_stats is None else row.golden_stats[3]
+    if row.mode == "tensor":
+        euc = row.metrics.euc_distance
         if euc is None:
-            return math.inf if row["Note"].startswith("nan_mismatch") else None
-        if not norm:
+            return math.inf if row.note.startswith("nan_mismatch") else None
+        if golden_norm is None or not math.isfinite(golden_norm):
+            return 0.0 if euc == 0 else None     # NaN/Inf at the same places on both sides
+        if not golden_norm:
             return 0.0 if euc == 0 else math.inf
-        return euc / norm
-    if row["Compare Mode"] == "statistics":
-        rel = row["Relative Err of Norm(%)"]
+        return euc / golden_norm
+    if row.mode == "statistics":
+        rel = row.diffs.norm_rel_pct
         if rel is None:
-            return None if row["Golden Norm"] is None else math.inf
+            target_norm = None if row.target_stats is None else row.target_stats[3]
+            if golden_norm is None or target_norm is None:
+                return None
+            if not math.isfinite(golden_norm) and not math.isfinite(target_norm):
+                return None   # NaN/Inf on both sides: the norms say nothing about the rest
+            return math.inf
         return rel / 100
     return None
 
 
-def render_html(result) -> str:
+def render_html(result: CompareResult) -> str:
     """The whole report as one HTML document."""
     parts = [_HEAD.format(title="atb-probe compare")]
     parts.append("<h1>atb-probe compare</h1>")
     parts.append(_finding_box(result))
     parts.append(_summary(result))
+    parts.append(_scan(result))
     parts.append(_plots(result))
     parts.append(_layers(result))
     parts.append(_unmatched(result))
@@ -74,32 +88,35 @@ def _finding_box(result) -> str:
                 f"{_e(result.thresholds.describe())}.</div>")
     cls = "bad" if f.inputs_clean else "warn"
     head = "First divergence" if f.inputs_clean else "First crossing op (its inputs differ too)"
+    where = f"<code>{_e(f.op_path)}</code>"
+    if f.golden_op_path != f.op_path:
+        where += f" ↔ <code>{_e(f.golden_op_path)}</code>"
     return (f"<div class='{cls}'><div class='big'>{head}: round {f.round_index}, "
-            f"<code>{_e(f.op_path)}</code></div><div>{_e(f.summary())}</div>"
+            f"{where}</div><div>{_e(f.summary())}</div>"
             f"<div>golden op: <code>{_e(f.golden_op_path)}</code> · thresholds: "
             f"{_e(result.thresholds.describe())}</div></div>")
 
 
-def _summary(result) -> str:
-    from .compare import summary_lines
+def _summary(result: CompareResult) -> str:
     rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>"
-                   for k, v in summary_lines(result) if k != "first divergence")
+                   for k, v in result.summary_lines() if k != "first divergence")
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     return f"<h2>Summary</h2><table class='kv'>{rows}<tr><th>generated</th><td>{stamp}</td></tr></table>"
 
 
 def _plots(result) -> str:
-    rounds: dict[str, list[dict]] = {}
+    rounds: dict[int, list[PairResult]] = {}
     for row in result.rows:
-        if row["Input/Output"] == "output":
-            rounds.setdefault(row["Target Execution Count"], []).append(row)
+        if row.io == "output":
+            rounds.setdefault(row.round_index, []).append(row)
     if not rounds:
         return ""
     keys = list(rounds)
     chosen = keys[:MAX_PLOTS]
     f = result.finding
-    if f is not None and str(f.round_index) in rounds and str(f.round_index) not in chosen:
-        chosen.append(str(f.round_index))
+    if f is not None and f.round_index in rounds and f.round_index not in chosen:
+        chosen.append(f.round_index)
+    flagged = _flagged(result)
     out = ["<h2>Error along execution order</h2>",
            "<p>Relative error of each output (log scale): ‖target − golden‖ / ‖golden‖, or the "
            "relative norm error in statistics mode. Bands are layer-level ops; red points cross "
@@ -107,13 +124,14 @@ def _plots(result) -> str:
            "line. Hover a point for its name.</p>"]
     for key in chosen:
         out.append(f"<h3>round {_e(key)}</h3>")
-        out.append(_svg(rounds[key], f if f is not None and str(f.round_index) == key else None))
+        out.append(_svg(rounds[key], f if f is not None and f.round_index == key else None,
+                        flagged))
     if len(keys) > len(chosen):
         out.append(f"<p>{len(keys) - len(chosen)} more round(s) not plotted; see the table.</p>")
     return "\n".join(out)
 
 
-def _svg(rows: list[dict], finding) -> str:
+def _svg(rows: list[PairResult], finding, flagged: dict[str, str]) -> str:
     width, height, left, right, top, bottom = 1100, 300, 60, 10, 28, 30
     n = len(rows)
     plot_w, plot_h = width - left - right, height - top - bottom
@@ -134,9 +152,9 @@ def _svg(rows: list[dict], finding) -> str:
            f"xmlns='http://www.w3.org/2000/svg'>"]
     # Bands, alternating, labelled when wide enough: one per layer-level op, or per child of
     # the layer when the round holds a single layer (a dump zoomed in with `ids`).
-    keys = [row["Layer"] for row in rows]
+    keys = [row.layer for row in rows]
     if len(set(keys)) == 1:
-        keys = ["/".join(row["Target Data Name"].split("/")[:2]) for row in rows]
+        keys = ["/".join(row.name.split("/")[:2]) for row in rows]
     start, band = 0, 0
     for i in range(1, n + 1):
         if i == n or keys[i] != keys[start]:
@@ -160,11 +178,14 @@ def _svg(rows: list[dict], finding) -> str:
         err = relative_error(row)
         if err is None:
             continue
-        bad = row["Diverged"] == "yes"
-        tip = (f"{row['Target Data Name']}\nrelative error {_fmt(err)}\ncosine "
-               f"{_fmt(row['Cosine'])}\nmax abs err {_fmt(row['Max Absolute Err'])}")
+        bad = row.diverged is True
+        tip = (f"{row.name}\nrelative error {_fmt(err)}\ncosine "
+               f"{_fmt(row.metrics.cosine)}\nmax abs err {_fmt(row.metrics.max_abs_err)}")
         svg.append(f"<circle cx='{x(i):.1f}' cy='{y(err):.1f}' r='{3 if bad else 2.2}' "
                    f"class='{'pb' if bad else 'pg'}'><title>{_e(tip)}</title></circle>")
+        if _key(row) in flagged:
+            svg.append(f"<rect x='{x(i) - 5:.1f}' y='{y(err) - 5:.1f}' width='10' height='10' "
+                       f"class='nf'><title>{_e(flagged[_key(row)])}</title></rect>")
         if finding is not None and row is finding.row:
             svg.append(f"<circle cx='{x(i):.1f}' cy='{y(err):.1f}' r='8' class='ring'/>")
     svg.append("</svg>")
@@ -172,17 +193,17 @@ def _svg(rows: list[dict], finding) -> str:
 
 
 def _layers(result) -> str:
-    layers: dict[tuple[str, str], dict] = {}
+    layers: dict[tuple[int, str], dict] = {}
     for row in result.rows:
-        if row["Input/Output"] != "output":
+        if row.io != "output":
             continue
-        key = (row["Target Execution Count"], row["Layer"])
+        key = (row.round_index, row.layer)
         entry = layers.setdefault(key, {"outputs": 0, "crossing": 0, "cos": None, "err": None})
         entry["outputs"] += 1
-        entry["crossing"] += row["Diverged"] == "yes"
-        if row["Cosine"] is not None:
-            entry["cos"] = row["Cosine"] if entry["cos"] is None else min(entry["cos"],
-                                                                            row["Cosine"])
+        entry["crossing"] += row.diverged is True
+        cos = row.metrics.cosine
+        if cos is not None:
+            entry["cos"] = cos if entry["cos"] is None else min(entry["cos"], cos)
         err = relative_error(row)
         if err is not None:
             entry["err"] = err if entry["err"] is None else max(entry["err"], err)
@@ -195,6 +216,44 @@ def _layers(result) -> str:
     return ("<h2>Per layer</h2><table class='grid'><tr><th>round</th><th>layer</th>"
             "<th>outputs</th><th>crossing</th><th>min cosine</th><th>max relative error</th>"
             f"</tr>{body}</table>")
+
+
+def _key(row: PairResult) -> tuple[str, str, int, str]:
+    return (row.target.process, row.target.data_name, row.target.round_index, "target")
+
+
+def _flagged(result: CompareResult) -> dict:
+    """Tensors of the target that the scan flagged: key -> why."""
+    marks = {}
+    for scanned in result.scan:
+        if scanned.side != "target":
+            continue
+        if scanned.first is not None:
+            marks[(scanned.process, scanned.first.tensor, scanned.round_index, "target")] = \
+                f"first NaN/Inf of round {scanned.round_index}"
+        for g in scanned.growth:
+            marks.setdefault((scanned.process, g.tensor, scanned.round_index, "target"),
+                             f"magnitude grows x{g.ratio:.3g} over its inputs")
+    return marks
+
+
+def _scan(result: CompareResult) -> str:
+    """What `atb-probe scan` finds in the compared tensors of each side."""
+    items = []
+    for scanned in result.scan:
+        where = f"{_e(scanned.side)} {_e(scanned.process)} round {scanned.round_index}"
+        if scanned.first is not None:
+            items.append(f"<li><b>{where}:</b> {_e(scanned.first.summary(scanned))}</li>")
+        for g in scanned.growth[:20]:
+            items.append(f"<li>{where}: growth warning: {_e(g.summary())}</li>")
+        if len(scanned.growth) > 20:
+            items.append(f"<li>{where}: {len(scanned.growth) - 20} more growth warnings</li>")
+    if not items:
+        return ("<h2>NaN/Inf and overflow</h2><p>No compared tensor of either side holds NaN or "
+                "Inf, and no op's output grows far above its inputs.</p>")
+    return ("<h2>NaN/Inf and overflow</h2><div class='scan'><p>From the compared tensors of "
+            "each side (as <code>atb-probe scan</code> reads a dump). Marked ⚠ in the table and "
+            "with a square in the plots (target side).</p><ul>" + "".join(items) + "</ul></div>")
 
 
 def _unmatched(result) -> str:
@@ -212,11 +271,16 @@ def _unmatched(result) -> str:
 def _table(result) -> str:
     rows = result.rows[:MAX_TABLE_ROWS]
     head = "".join(f"<th>{_e(c)}</th>" for c in TABLE_COLUMNS)
+    flagged = _flagged(result)
     body = []
     for row in rows:
-        cls = "bad" if row["Diverged"] == "yes" else ""
-        cells = "".join(f"<td>{_e(_fmt(row[c]))}</td>" for c in TABLE_COLUMNS)
-        body.append(f"<tr class='{cls}'>{cells}</tr>")
+        cls = "bad" if row.diverged else ""
+        cells = "".join(f"<td>{_e(_fmt(get(row)))}</td>" for get in _TABLE_GETTERS)
+        mark = flagged.get(_key(row))
+        if mark:
+            cls += " nf"
+            cells = cells.replace("<td>", f"<td title='{_e(mark)}'>⚠ ", 1)
+        body.append(f"<tr class='{cls.strip()}'>{cells}</tr>")
     more = (f"<p>Showing the first {MAX_TABLE_ROWS} of {len(result.rows)} rows; the CSV and "
             ".xlsx hold all of them.</p>" if len(result.rows) > MAX_TABLE_ROWS else "")
     return ("<h2>All compared tensors</h2><p><input id='flt' placeholder='filter by name' "
@@ -242,6 +306,9 @@ line.grid {{ stroke: #ddd; }}
 .ax, .lbl {{ font-size: 10px; fill: #555; }}
 .pg {{ fill: #3366aa; }} .pb {{ fill: #cc2222; }}
 .ring {{ fill: none; stroke: #cc2222; stroke-width: 2; }}
+.nf {{ fill: none; stroke: #8a2be2; stroke-width: 2; }}
+table.grid tr.nf td:first-child {{ color: #8a2be2; font-weight: 600; }}
+div.scan {{ background: #f3ecfb; border: 1px solid #b9a0d8; padding: 10px 14px; border-radius: 6px; }}
 </style></head><body>"""
 
 _SCRIPT = """<script>
@@ -252,7 +319,7 @@ _SCRIPT = """<script>
     var q = flt.value.toLowerCase();
     for (var i = 1; i < rows.length; i++) {
       var r = rows[i], show = r.textContent.toLowerCase().indexOf(q) >= 0;
-      if (bad.checked && r.className !== 'bad') show = false;
+      if (bad.checked && r.className.split(' ').indexOf('bad') < 0) show = false;
       r.style.display = show ? '' : 'none';
     }
   }

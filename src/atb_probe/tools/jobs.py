@@ -1,0 +1,63 @@
+"""Running an analysis over many tensors at once: the job count, the process pool, the
+progress bar. Shared by `compare` and `scan`.
+
+The work is numpy on tensors read from page cache: CPU-bound and holding the GIL between numpy
+calls, so it runs in processes (`concurrent.futures.ProcessPoolExecutor`), one per job. The
+workers start from a fork server that has already imported the tools: a clean process (no copy
+of a parent's threads or locks, which a plain fork would take along) that costs one import for
+all workers rather than one per worker.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+_PRELOAD = ["atb_probe.tools.compare", "atb_probe.tools.scan"]
+
+
+def default_jobs() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def worker_pool(jobs: int) -> ProcessPoolExecutor:
+    """A pool of `jobs` worker processes."""
+    try:
+        context = get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
+    except ValueError:          # no fork server on this platform
+        context = get_context("spawn")
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=context)
+
+
+class progress_bar:
+    """A rich progress bar on stderr while work is done (silent when not a terminal).
+
+    Used as `with progress_bar(console, "comparing") as progress:`; `progress(total)` starts
+    the bar and returns a callable that advances it by a count."""
+
+    def __init__(self, console, label: str):
+        self.console = console
+        self.label = label
+        self.bar = None
+
+    def __enter__(self):
+        return self.start
+
+    def start(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+        self.bar = Progress(self.label, BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                            console=self.console, transient=True,
+                            disable=not self.console.is_terminal)
+        self.bar.start()
+        task = self.bar.add_task(self.label, total=total)
+        return lambda n=1: self.bar.advance(task, n)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False

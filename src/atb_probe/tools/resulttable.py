@@ -1,0 +1,110 @@
+"""The result table of a comparison as files: `atb_compare_result.csv` and `.xlsx`.
+
+One row per compared pair (a comparison.PairResult). The first columns are those of msprobe's
+ATB compare, under its names, in its order (tensor metrics, then statistics differences, then
+the statistics of each side); our own columns come after them. This is the one place where the
+records' fields meet the columns' display titles.
+"""
+from __future__ import annotations
+
+import csv
+
+from ..statcsv import NA
+from .comparison import CompareResult, PairResult
+
+RESULT_CSV = "atb_compare_result.csv"
+RESULT_XLSX = "atb_compare_result.xlsx"
+XLSX_MAX_ROWS = 1_048_576  # Excel's sheet limit, header included
+
+
+def _stat(side: str, k: int):
+    def get(r: PairResult):
+        stats = r.golden_stats if side == "golden" else r.target_stats
+        return None if stats is None else stats[k]
+    return get
+
+
+def _verdict(r: PairResult) -> str:
+    return "" if r.diverged is None else ("yes" if r.diverged else "no")
+
+
+# (title, value of a row), in the file's order.
+FIELDS = (
+    ("Target Data Name", lambda r: r.target.data_name),
+    ("Golden Data Name", lambda r: r.golden.data_name),
+    ("Target Device and PID", lambda r: r.target.process),
+    ("Golden Device and PID", lambda r: r.golden.process),
+    ("Target Execution Count", lambda r: str(r.target.round_index)),
+    ("Golden Execution Count", lambda r: str(r.golden.round_index)),
+    ("Target Data Type", lambda r: r.target.dtype),
+    ("Golden Data Type", lambda r: r.golden.dtype),
+    ("Target Data Shape", lambda r: r.target.shape),
+    ("Golden Data Shape", lambda r: r.golden.shape),
+    ("Cosine", lambda r: r.metrics.cosine),
+    ("Euc Distance", lambda r: r.metrics.euc_distance),
+    ("Max Absolute Err", lambda r: r.metrics.max_abs_err),
+    ("Max Relative Err", lambda r: r.metrics.max_rel_err),
+    ("One Thousandth Err Ratio", lambda r: r.metrics.one_thousandth_ratio),
+    ("Five Thousandth Err Ratio", lambda r: r.metrics.five_thousandth_ratio),
+    ("Max Diff", lambda r: r.diffs.max_diff),
+    ("Min Diff", lambda r: r.diffs.min_diff),
+    ("Mean Diff", lambda r: r.diffs.mean_diff),
+    ("Norm Diff", lambda r: r.diffs.norm_diff),
+    ("Relative Err of Max(%)", lambda r: r.diffs.max_rel_pct),
+    ("Relative Err of Min(%)", lambda r: r.diffs.min_rel_pct),
+    ("Relative Err of Mean(%)", lambda r: r.diffs.mean_rel_pct),
+    ("Relative Err of Norm(%)", lambda r: r.diffs.norm_rel_pct),
+    ("Target Max", _stat("target", 0)), ("Golden Max", _stat("golden", 0)),
+    ("Target Min", _stat("target", 1)), ("Golden Min", _stat("golden", 1)),
+    ("Target Mean", _stat("target", 2)), ("Golden Mean", _stat("golden", 2)),
+    ("Target Norm", _stat("target", 3)), ("Golden Norm", _stat("golden", 3)),
+    ("Order", lambda r: r.order),
+    ("Layer", lambda r: r.layer),
+    ("Input/Output", lambda r: r.io),
+    ("Compare Mode", lambda r: r.mode),
+    ("Match", lambda r: r.match),
+    ("Diverged", _verdict),
+    ("Note", lambda r: r.note),
+    ("Golden Tensor Path", lambda r: r.golden.path or NA),
+    ("Target Tensor Path", lambda r: r.target.path or NA),
+)
+COLUMNS = tuple(title for title, _ in FIELDS)
+_GETTERS = tuple(get for _, get in FIELDS)
+
+
+def values(row: PairResult) -> list:
+    """A row's values in column order (numbers as numbers, absent ones as None)."""
+    return [get(row) for get in _GETTERS]
+
+
+def cell(value) -> str:
+    """A result value as csv text: msprobe's `N/A` for absent values."""
+    if value is None or value == "":
+        return NA if value is None else ""
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def write_csv(result: CompareResult, path: str) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        for row in result.rows:
+            w.writerow([cell(v) for v in values(row)])
+
+
+def write_xlsx(result: CompareResult, path: str) -> None:
+    """The table on a first sheet (numbers as numbers, `N/A` as text, as msprobe writes), the
+    unmatched ops/tensors and a summary on their own sheets."""
+    import pandas as pd
+    table = pd.DataFrame([[NA if v is None else v for v in values(row)] for row in result.rows],
+                         columns=list(COLUMNS))
+    unmatched = pd.DataFrame([(u.side, u.kind, u.where, u.what, u.count)
+                              for u in result.unmatched],
+                             columns=["Only In", "Kind", "Where", "What", "Count"])
+    summary = pd.DataFrame(result.summary_lines(), columns=["Item", "Value"])
+    with pd.ExcelWriter(path, engine="openpyxl") as xl:
+        table.to_excel(xl, sheet_name="compare", index=False)
+        unmatched.to_excel(xl, sheet_name="unmatched", index=False)
+        summary.to_excel(xl, sheet_name="summary", index=False)

@@ -1,0 +1,133 @@
+"""The HTML report of `compare` as a real browser draws it: headless Chromium takes a screenshot,
+and the test reads its pixels. Skipped where no Chromium is installed (Debian: `apt-get install
+chromium`); a screenshot takes a few seconds.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from atb_probe.tools.compare import compare_dumps, write_outputs
+
+from conftest import config, dump, generate, tiny_llama
+
+BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome")
+                if shutil.which(b)), None)
+pytestmark = pytest.mark.skipif(BROWSER is None, reason="no headless Chromium installed")
+
+WIDTH, HEIGHT = 1400, 1000
+DIVERGENCE_BOX = (253, 232, 232)   # div.bad background
+CROSSING_POINT = (204, 34, 34)     # .pb: an output that crosses the thresholds
+SCAN_BOX = (243, 236, 251)         # div.scan background
+SCAN_MARK = (138, 43, 226)         # .nf: the square on the first NaN/Inf
+
+
+def screenshot(html: str, tmp_path) -> np.ndarray:
+    """The first screen of a report as an (HEIGHT, WIDTH, 3) array of RGB bytes."""
+    png = tmp_path / "shot.png"
+    run = subprocess.run(
+        [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}",
+         f"--window-size={WIDTH},{HEIGHT}", f"file://{html}"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)})
+    assert png.is_file(), run.stderr[-2000:]
+    return decode_png(png.read_bytes())
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    """An 8-bit RGB or RGBA PNG as an array of its RGB values (the filters of RFC 2083)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        (n,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", data[pos + 8:pos + 8 + n])
+        elif kind == b"IDAT":
+            idat += data[pos + 8:pos + 8 + n]
+        pos += 12 + n
+    width, height, depth, color = header[:4]
+    assert depth == 8 and color in (2, 6)
+    bpp = 3 if color == 2 else 4
+    raw = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(height, width * bpp + 1)
+    out = np.zeros((height, width * bpp), np.uint8)
+    prev = np.zeros(width * bpp, np.int32)
+    for y in range(height):
+        kind, line = raw[y, 0], raw[y, 1:].astype(np.int32)
+        if kind == 1:       # Sub: a running sum along the row, per channel
+            row = np.cumsum(line.reshape(width, bpp), axis=0).reshape(-1) & 0xFF
+        elif kind == 2:     # Up
+            row = (line + prev) & 0xFF
+        elif kind in (3, 4):
+            row = _sequential(line, prev, bpp, kind)
+        else:
+            row = line
+        out[y] = row
+        prev = row.astype(np.int32)
+    return out.reshape(height, width, bpp)[:, :, :3]
+
+
+def _sequential(line, prev, bpp: int, kind: int) -> np.ndarray:
+    """Average and Paeth depend on the pixel to the left: decoded byte by byte."""
+    row = [0] * len(line)
+    up = prev.tolist()
+    line = line.tolist()
+    for i in range(len(line)):
+        a = row[i - bpp] if i >= bpp else 0
+        b = up[i]
+        if kind == 3:
+            row[i] = (line[i] + (a + b) // 2) & 0xFF
+            continue
+        c = up[i - bpp] if i >= bpp else 0
+        p = a + b - c
+        pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+        pred = a if pa <= pb and pa <= pc else (b if pb <= pc else c)
+        row[i] = (line[i] + pred) & 0xFF
+    return np.array(row, np.int32)
+
+
+def pixels(image: np.ndarray, rgb: tuple) -> np.ndarray:
+    """(y, x) of the pixels of exactly this colour."""
+    return np.argwhere(np.all(image == np.array(rgb, np.uint8), axis=2))
+
+
+def llama_dump(tmp_path_factory, name, scale=1.0, dtype=torch.float32):
+    model = tiny_llama(dtype=dtype)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(scale)
+        model.model.layers[1].mlp.down_proj.weight.mul_(scale)
+    tmp = tmp_path_factory.mktemp(name)
+    dump(tmp, config(task="statistics", exec_range="0,0"),
+         lambda: generate(model, prompt_len=4, new_tokens=1))
+    return str(tmp)
+
+
+def test_the_first_divergence_is_drawn_first_and_crossing_points_in_red(tmp_path_factory,
+                                                                        tmp_path):
+    golden = llama_dump(tmp_path_factory, "golden")
+    broken = llama_dump(tmp_path_factory, "broken", scale=3.0)
+    write_outputs(compare_dumps(golden, broken), str(tmp_path), xlsx=False)
+    image = screenshot(tmp_path / "atb_compare_report.html", tmp_path)
+    assert image.shape == (HEIGHT, WIDTH, 3)
+    box = pixels(image, DIVERGENCE_BOX)
+    assert len(box) > 20_000 and box[:, 0].min() < 150      # a wide box at the top
+    red = pixels(image, CROSSING_POINT)
+    assert len(red) > 20 and red[:, 0].min() > box[:, 0].max()   # points below it, in the plot
+    assert len(np.unique(image.reshape(-1, 3), axis=0)) > 50     # text, not a blank page
+
+
+def test_a_nan_or_inf_found_by_the_scan_is_boxed_and_marked_in_the_plot(tmp_path_factory,
+                                                                        tmp_path):
+    golden = llama_dump(tmp_path_factory, "fp16", dtype=torch.float16)
+    overflow = llama_dump(tmp_path_factory, "fp16_overflow", scale=1e4, dtype=torch.float16)
+    write_outputs(compare_dumps(golden, overflow), str(tmp_path), xlsx=False)
+    image = screenshot(tmp_path / "atb_compare_report.html", tmp_path)
+    assert len(pixels(image, SCAN_BOX)) > 20_000
+    mark = pixels(image, SCAN_MARK)
+    assert len(mark) >= 20 and mark[:, 0].min() > pixels(image, SCAN_BOX)[:, 0].max()
