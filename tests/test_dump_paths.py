@@ -85,3 +85,10 @@ def test_a_round_folder_is_a_round_index_with_a_csv_or_in_a_process_folder(tmp_p
     assert layout.round_dir_of(str(bare / "x.bin")) is None
     assert layout.root_of_process(str(in_process.parent)) == str(tmp_path / "atb_dump_data")
     assert layout.root_of_process(str(moved.parent)) is None
+
+
+def test_a_written_tensor_path_is_found_below_its_round_wherever_it_was_written():
+    written = "/home/someone/run/atb_dump_data/data/0_42/3/2_Layer/after/outtensor0.bin"
+    assert layout.below_round(written) == "2_Layer/after/outtensor0.bin"
+    assert layout.below_round("/tmp/x/outtensor0.bin") is None
+    assert layout.below_round("/r/atb_dump_data/data/0_42/3") is None

@@ -120,6 +120,16 @@ def round_dir_of(path: str) -> str | None:
         d = parent
 
 
+def below_round(path: str) -> str | None:
+    """The part of a path written as `.../atb_dump_data/data/<dev>_<pid>/<round>/<rest>` below
+    its round folder (`<rest>`), whatever machine or folder it was written on; else None."""
+    marker = path.rfind(f"{DUMP_DIR}/{DATA_DIR}/")
+    if marker < 0:
+        return None
+    parts = path[marker:].split("/", 4)
+    return parts[4] if len(parts) == 5 and parts[4] else None
+
+
 def process_of_round(round_path: str) -> str:
     """The `<dev>_<pid>` folder holding a round folder."""
     return os.path.dirname(os.path.abspath(round_path))
