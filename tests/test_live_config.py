@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (SCRIPTS, LiveProcess, config, count_rounds_by_config, read_csv,
-                      wait_until)
+from conftest import (DEFAULT_SIGNALS, SCRIPTS, LiveProcess, config, count_rounds_by_config,
+                      read_csv, wait_until)
 
 WAKE = "Ready to dump ATB data, the running speed of the model will be affected"
 
@@ -92,7 +92,7 @@ class Program(LiveProcess):
         env = {k: v for k, v in os.environ.items()
                if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
         cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={tmp} '
-               f'--config={self.config_path} && exec "{sys.executable}" "{script}"')
+               f'--config={self.config_path} && exec {DEFAULT_SIGNALS} "{sys.executable}" "{script}"')
         self.proc = subprocess.Popen(["bash", "-c", cmd], cwd=tmp, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, bufsize=1)

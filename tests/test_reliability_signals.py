@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, config
+from conftest import DEFAULT_SIGNALS, SCRIPTS, config
 from test_reliability_disk import bins, check_dump, mount_fs, probe_lines  # noqa: F401
 
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878
@@ -72,7 +72,7 @@ def start(tmp: Path, out: Path, rounds: int, ending: str, cfg: dict, **env) -> s
     script.write_text(textwrap.dedent(HEAVY))
     (tmp / "config.json").write_text(json.dumps(cfg))
     cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={out} --config={tmp / "config.json"}'
-           f' && exec "{sys.executable}" "{script}" {rounds} {ending}')
+           f' && exec {DEFAULT_SIGNALS} "{sys.executable}" "{script}" {rounds} {ending}')
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
     full_env.update({"ATB_PROBE_MIN_FREE_BYTES": "0", **env})
@@ -139,6 +139,58 @@ def test_exit_and_stop_signals_write_everything_queued_first(tmp_path, ending, r
     assert status["bytes_queued"] == 0 and status["exited"] is True
     assert "Traceback" not in stderr or ending == "sigint"
     assert probe_lines(stderr, "ERROR") == []
+
+
+# The in-process API: a probe enabled, disabled and enabled again, then SIGTERM.
+REENABLED = """
+import json, os, signal, sys, time
+import torch
+from torch import nn
+import atb_probe
+
+torch.manual_seed(0)
+model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8))).eval()
+x = torch.randn(64, 256)
+cfg = json.loads(sys.argv[3])
+atb_probe.enable(sys.argv[1], cfg)
+with torch.no_grad():
+    model(x)
+atb_probe.disable()
+atb_probe.enable(sys.argv[2], cfg)
+with torch.no_grad():
+    for i in range(int(sys.argv[4])):
+        model(x)
+print("PENDING", atb_probe.active().writer.pending(), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(60)
+print("NOT-KILLED", flush=True)
+"""
+
+
+def test_sigterm_writes_the_queue_of_a_probe_enabled_again(tmp_path):
+    """SIGTERM flushes the probe open now, not the first one this process had: enable, disable,
+    enable, dump, SIGTERM; every round of the second probe is on disk."""
+    script = tmp_path / "reenabled.py"
+    script.write_text(REENABLED)
+    first, second, rounds = tmp_path / "first", tmp_path / "second", 6
+    cfg = config(save_child=True, filter_level=0, task="all")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
+    env["ATB_PROBE_MIN_FREE_BYTES"] = "0"
+    cmd = (f'exec {DEFAULT_SIGNALS} "{sys.executable}" "{script}" "{first}" "{second}" '
+           f"'{json.dumps(cfg)}' {rounds}")
+    result = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    assert int(result.stdout.split("PENDING ")[1].split()[0]) > 0
+    root = second / "atb_dump_data"
+    rows = check_dump(root)
+    assert sorted({r["Execution Count"] for r in rows}) == [str(i) for i in range(rounds)]
+    assert all(r["Tensor Path"] != "N/A" for r in rows)
+    status = status_of(root)
+    assert status["exited"] is True and status["bytes_queued"] == 0
+    assert status["rounds_dumped"] == rounds
+    assert probe_lines(result.stderr, "ERROR") == []
 
 
 def test_stuck_disk_cannot_hang_the_model_or_its_exit(tmp_path, mount_fs):

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import (SCRIPTS, LiveProcess, config, count_rounds_by_config, read_csv,
-                      wait_until)
+from conftest import (DEFAULT_SIGNALS, SCRIPTS, LiveProcess, config, count_rounds_by_config,
+                      read_csv, wait_until)
 
 SERVER = Path(__file__).resolve().parent.parent / "examples" / "service" / "server.py"
 WAKE = "Ready to dump ATB data, the running speed of the model will be affected"
@@ -48,7 +48,7 @@ class Service(LiveProcess):
         self.root = tmp / "atb_dump_data"
         port = free_port()
         cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={tmp} --config={self.config_path}'
-               f' && exec "{sys.executable}" "{SERVER}" --port {port} --hidden 32 --layers 2'
+               f' && exec {DEFAULT_SIGNALS} "{sys.executable}" "{SERVER}" --port {port} --hidden 32 --layers 2'
                f' --vocab 64 --torch-threads 1')
         self.proc = subprocess.Popen(["bash", "-c", cmd], cwd=tmp, env=probe_env(), text=True,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
