@@ -409,7 +409,12 @@ def test_permission_denied_mid_dump_stops_it_with_one_error():
             data = out / "atb_dump_data" / "data"
             for d, dirs, _ in os.walk(data):
                 os.chmod(d, 0o555)
-            time.sleep(1.0)
+            status = out / "atb_dump_data" / "status"
+            while "permission denied" not in "".join(
+                    p.read_text() for p in status.iterdir() if not p.name.startswith(".")):
+                assert proc.poll() is None and time.monotonic() < deadline + 60, \
+                    proc.stderr.read()
+                time.sleep(0.01)  # until the probe's status reports the error
             stop.touch()
             stdout, stderr = proc.communicate(timeout=60)
         finally:

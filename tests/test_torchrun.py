@@ -261,7 +261,10 @@ def test_a_device_decided_after_start_leaves_no_second_name(tmp_path):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
         with torch.no_grad():
             model(torch.ones(1, 4))
-        time.sleep(0.6)  # the watch thread rewrites the status meanwhile
+        moved, deadline = os.path.join(status, f"3_{os.getpid()}.json"), time.time() + 30
+        while not (os.path.exists(moved) and '"rounds_dumped": 1' in open(moved).read()):
+            assert time.time() < deadline, "the status never showed the round"
+            time.sleep(0.01)  # the watch thread rewrites the status meanwhile
         print("PID", os.getpid())
     """
     result = run_loaded(tmp_path, script, config(exec_range="all"))
