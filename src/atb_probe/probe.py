@@ -75,7 +75,7 @@ class Probe:
         self._stop = threading.Event()
         self._kick = threading.Event()
         self._thread: threading.Thread | None = None
-        self._errors: set[str] = set()
+        self._errors: set[str] = set()  # the kinds of error this probe has reported
         self._closed = False
 
     def _new_status_file(self) -> StatusFile:
@@ -215,11 +215,9 @@ class Probe:
             tb = tb.tb_next
         where = f"{tb.tb_frame.f_code.co_filename.rpartition('/')[2]}:{tb.tb_lineno}" if tb \
             else "?"
-        key = f"{type(exc).__name__}@{where}"
         self.last_error = f"{type(exc).__name__}: {exc} ({where})"
-        if key not in self._errors:
-            self._errors.add(key)
-            log.error(f"internal error, the model goes on: {self.last_error}")
+        log.error_once(f"{type(exc).__name__}@{where}",
+                       f"internal error, the model goes on: {self.last_error}", self._errors)
 
     def status(self) -> dict:
         """The status document, `atb_dump_data/status/<dev>_<pid>.json` (SPEC §4).
