@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import atb_probe
+
 from conftest import DEFAULT_SIGNALS, SCRIPTS, config
 from test_reliability_disk import bins, check_dump, mount_fs, probe_lines  # noqa: F401
 
@@ -237,3 +239,35 @@ def test_stuck_disk_cannot_hang_the_model_or_its_exit(tmp_path, mount_fs):
     assert len(stalls) == 1, stderr
     assert "Traceback" not in stderr
     check_dump(out / "atb_dump_data", temp_files_allowed=True)
+
+
+def test_the_sigterm_handler_is_there_while_a_probe_is_open_and_gone_after(tmp_path):
+    """The probe's SIGTERM handler goes in when the first probe opens (over the default
+    disposition only) and the default comes back when the last one closes."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # however the suite was started
+    try:
+        atb_probe.enable(str(tmp_path / "a"), config(dump_enable=False))
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        atb_probe.disable()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        atb_probe.enable(str(tmp_path / "b"), config(dump_enable=False))
+        assert signal.getsignal(signal.SIGTERM) is handler
+        atb_probe.disable()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_host_handler_for_sigterm_is_left_alone(tmp_path):
+    def host(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, host)
+    try:
+        atb_probe.enable(str(tmp_path), config(dump_enable=False))
+        assert signal.getsignal(signal.SIGTERM) is host
+        atb_probe.disable()
+        assert signal.getsignal(signal.SIGTERM) is host
+    finally:
+        signal.signal(signal.SIGTERM, previous)
