@@ -28,7 +28,6 @@ import threading
 _open: list = []            # the probes open in this process, oldest first
 _lock = threading.Lock()
 _process_hooks = False      # atexit and fork functions registered (once per process)
-_sigterm_handler = None     # ours, while it is the installed SIGTERM handler
 
 
 def exit_timeout() -> float:
@@ -94,18 +93,13 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def _install_sigterm() -> None:
-    """Ours, unless the host has its own handler; only the main thread can install one."""
-    global _sigterm_handler
+    """Ours, over the default disposition only (not over the host's handler, nor twice); only
+    the main thread can install one."""
     if threading.current_thread() is not threading.main_thread():
         return
     try:
-        current = signal.getsignal(signal.SIGTERM)
-        if current is _on_sigterm:
-            return
-        if current is not signal.SIG_DFL:
-            return
-        signal.signal(signal.SIGTERM, _on_sigterm)
-        _sigterm_handler = _on_sigterm
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
     except (ValueError, OSError):
         pass
 
@@ -113,12 +107,10 @@ def _install_sigterm() -> None:
 def _restore_sigterm() -> None:
     """The default disposition back, if ours is still the handler (the host may have replaced
     it since) and this is the main thread (else ours stays: with no probe open it just dies)."""
-    global _sigterm_handler
-    if _sigterm_handler is None or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         return
     try:
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _sigterm_handler = None
     except (ValueError, OSError):
         pass
