@@ -48,8 +48,8 @@ class Service(LiveProcess):
         self.root = tmp / "atb_dump_data"
         port = free_port()
         cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={tmp} --config={self.config_path}'
-               f' && exec {DEFAULT_SIGNALS} "{sys.executable}" "{SERVER}" --port {port} --hidden 32 --layers 2'
-               f' --vocab 64 --torch-threads 1')
+               f' && exec {DEFAULT_SIGNALS} "{sys.executable}" "{SERVER}" --port {port}'
+               f' --hidden 32 --layers 2 --vocab 64 --torch-threads 1')
         self.proc = subprocess.Popen(["bash", "-c", cmd], cwd=tmp, env=probe_env(), text=True,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
