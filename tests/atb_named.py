@@ -19,7 +19,7 @@ from atb_probe.binfile import encode_header
 from atb_probe.dtypes import BY_CODE
 from atb_probe.statcsv import HEADER
 from atb_probe.tools.dumpreader import open_dump
-from atb_probe.tools.reader import load_array
+from atb_probe.binread import load_array
 
 LAYER_NAMES = {"Embedding": "WordEmbedding", "LlamaRMSNorm": "FinalNorm", "Linear": "LmHead"}
 CHILD_NAMES = {"LlamaAttention": "SelfAttention", "LlamaMLP": "Mlp", "LlamaRMSNorm": "RmsNorm"}

@@ -20,6 +20,14 @@ from atb_probe.tools.where import scripts_dir
 
 SCRIPTS = Path(scripts_dir())
 
+# Prefix for the command of a program whose signal handling a test checks: it starts with SIGINT
+# and SIGTERM at their defaults, as a program started from a terminal does, however the suite
+# was started. A background job (`pytest ... &` in a script), `nohup` or a CI runner may start the
+# suite with SIGINT ignored, and every child inherits that: Python installs its KeyboardInterrupt
+# handler only when SIGINT is not ignored at start, and the probe its SIGTERM handler only when
+# SIGTERM is at its default. (`preexec_fn` would do the same, but is unsafe with threads.)
+DEFAULT_SIGNALS = "env --default-signal=INT,TERM"
+
 FULL_CONFIG = {
     "task": "tensor",
     "dump_enable": True,

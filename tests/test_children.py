@@ -232,7 +232,7 @@ def test_kernels_are_not_captured_outside_selected_layers(tmp_path, llama):
 
 
 def _row_matches_its_file(r) -> bool:
-    from atb_probe.tools.reader import load_tensor
+    from atb_probe.binread import load_tensor
     t = load_tensor(r["Tensor Path"])
     if t.numel() == 0:
         return r["Max"] == "N/A"

@@ -22,7 +22,7 @@ import atb_probe
 from atb_probe.config import (DEFAULTS, MAX_CONFIG_BYTES, TASKS, ConfigFileError, DumpConfig,
                               parse_config, read_config_file)
 
-from conftest import config, tiny_llama
+from conftest import config, tiny_llama, wait_until
 
 FULL = json.dumps(config(exec_range="0,3", ids="0,2_1", op_name="Linear", device="0"))
 
@@ -36,6 +36,12 @@ def load(path) -> tuple[DumpConfig | None, list[str]]:
     if text is None:
         return None, []
     return parse_config(text)
+
+
+def status_of(out: Path) -> dict:
+    """The status document of this process's probe writing to `out`."""
+    files = list((out / "atb_dump_data" / "status").glob(f"*_{os.getpid()}.json"))
+    return json.loads(files[0].read_text()) if files else {}
 
 
 def in_thread(fn, timeout: float = 5.0):
@@ -405,11 +411,21 @@ def test_host_program_runs_asleep_on_a_bad_config_file(tmp_path, capfd, kind):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     in_thread(lambda: atb_probe.enable(str(tmp_path / "out"), config=str(path)))
     out = model(torch.ones(1, 4))
-    time.sleep(1.0)  # a few polls of the config watcher
+    assert status_of(tmp_path / "out")["config_problem"]  # read at once, when the probe started
+    err = []
+
+    def warned():
+        err.append(capfd.readouterr().err)
+        return any(str(path) in line and "WARNING" in line
+                   for line in "".join(err).splitlines())
+
+    # The warning waits for a later poll (the file might be mid-save).
+    wait_until(warned, 10, "the warning about the config file")
+    time.sleep(0.5)  # more polls: a repeated warning would show up
     assert atb_probe.disable(timeout=10)
     assert out.shape == (1, 4)
     assert not (tmp_path / "out" / "atb_dump_data" / "data").exists()
-    err = capfd.readouterr().err
+    err = "".join(err) + capfd.readouterr().err
     assert sum(str(path) in line and "WARNING" in line for line in err.splitlines()) == 1, err
 
 
@@ -425,7 +441,9 @@ def test_config_broken_mid_run_keeps_the_last_good_one(tmp_path, capfd):
         with torch.no_grad():
             model(ids)
             path.write_text(good[:len(good) // 2])  # an editor caught half-way
-            time.sleep(1.0)
+            problem = wait_until(lambda: status_of(tmp_path)["config_problem"], 10,
+                                 "the watcher to see the broken file")
+            assert "not valid JSON" in problem
             model(ids)
     finally:
         assert atb_probe.disable(timeout=30)

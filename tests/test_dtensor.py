@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from atb_probe.tools.reader import load_tensor
+from atb_probe.binread import load_tensor
 from conftest import config, read_csv, torchrun_loaded
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel" / "tp_dtensor.py"

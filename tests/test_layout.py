@@ -13,7 +13,7 @@ from atb_probe import load
 from atb_probe.binfile import encode_header, read_header
 from atb_probe.dtypes import DTYPES
 from atb_probe.statcsv import COLUMNS, HEADER
-from atb_probe.tools.reader import load_tensor
+from atb_probe.binread import load_tensor
 
 from conftest import Root, config, dump, generate, only_proc, read_csv, tiny_llama
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (SCRIPTS, LiveProcess, config, count_rounds_by_config, read_csv,
-                      wait_until)
+from conftest import (DEFAULT_SIGNALS, SCRIPTS, LiveProcess, config, count_rounds_by_config,
+                      read_csv, wait_until)
 
 WAKE = "Ready to dump ATB data, the running speed of the model will be affected"
 
@@ -55,10 +55,13 @@ ids = torch.arange(6).unsqueeze(0)
 spinning = threading.Event()
 threads = []
 
+calls = [0]
+
 def spin(pause):
     while spinning.is_set():
         with torch.no_grad():
             model(ids)
+        calls[0] += 1
         time.sleep(pause)
 
 for line in sys.stdin:
@@ -77,7 +80,7 @@ for line in sys.stdin:
         spinning.clear()
         for t in threads:
             t.join()
-    print("ok", getattr(nn.Module.__call__, "__atb_probe__", False), flush=True)
+    print("ok", getattr(nn.Module.__call__, "__atb_probe__", False), calls[0], flush=True)
 """
 
 
@@ -91,8 +94,8 @@ class Program(LiveProcess):
         script.write_text(DRIVER)
         env = {k: v for k, v in os.environ.items()
                if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
-        cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={tmp} '
-               f'--config={self.config_path} && exec "{sys.executable}" "{script}"')
+        cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={tmp} --config={self.config_path}'
+               f' && exec {DEFAULT_SIGNALS} "{sys.executable}" "{script}"')
         self.proc = subprocess.Popen(["bash", "-c", cmd], cwd=tmp, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, bufsize=1)
@@ -118,6 +121,14 @@ class Program(LiveProcess):
         reply = self.proc.stdout.readline().split()
         assert reply and reply[0] == "ok", (reply, "\n".join(self.stderr))
         return reply[1] == "True"
+
+    def calls(self) -> int:
+        """How many model calls the spinning threads have made so far."""
+        self.proc.stdin.write("noop\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline().split()
+        assert reply and reply[0] == "ok", (reply, "\n".join(self.stderr))
+        return int(reply[2])
 
     def lines(self, text: str) -> list[str]:
         return [line for line in self.stderr if text in line]
@@ -157,7 +168,8 @@ def test_sleeps_without_a_config_and_wakes_within_one_second_when_one_appears(pr
     latency = time.monotonic() - saved
     print(f"wake latency {latency:.3f} s")
     assert latency < 1.0
-    assert program.status()["state"] == "dumping"
+    # The status follows the wake-up on the watcher's next write (SPEC §4: within a second).
+    wait_until(lambda: program.status()["state"] == "dumping", 1, "the status to say dumping")
     assert program.send("run 2") is True
     # exec_range "none": rounds are counted from the wake-up on, nothing is written.
     wait_until(lambda: program.status()["rounds_started"] == 2, 2, "2 rounds counted")
@@ -251,8 +263,11 @@ def test_going_to_sleep_unpatches_the_model_while_threads_keep_calling_it(progra
     program.wait_applied(dump_enable=False)
     wait_until(lambda: program.send("noop") is False, 2, "the original nn.Module.__call__")
     counted = program.status()["rounds_started"]
-    time.sleep(0.3)  # threads keep calling the model; a few more status refreshes
-    assert program.status()["rounds_started"] == counted
+    calls = program.calls()
+    wait_until(lambda: program.calls() > calls + 30, 10, "more calls from the threads")
+    # A new configuration in effect means the status was rewritten after those calls.
+    program.write_config(dump_enable=False, ids="1")
+    assert program.wait_applied(dump_enable=False, ids="1")["rounds_started"] == counted
     program.send("stop")
     assert program.close() == 0
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -110,3 +112,72 @@ def test_threads_calling_one_model_at_once_get_whole_separate_rounds(tmp_path):
     assert [r.name for r in rounds] == [str(i) for i in range(8)]
     for r in rounds:
         assert contents(r) == reference, r.name
+
+
+def round_signature(round_dir: Path) -> str:
+    """A round's statistic.csv without the columns that name the process or round."""
+    return contents(round_dir)["statistic.csv"]
+
+
+def test_eight_threads_dumping_statistics_with_save_child_match_a_dump_made_alone(
+        tmp_path, monkeypatch, capfd):
+    """A server's pattern: one model, eight request threads calling it at once, statistics of
+    every op and kernel. The statistics cache and the structure bookkeeping are shared by the
+    threads; a small cache keeps its eviction running all the time."""
+    from atb_probe.capture import statscache
+    monkeypatch.setattr(statscache, "MAX_ENTRIES", 64)
+    model = tiny_llama()
+    inputs = [torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(i))
+              for i in range(8)]
+    per_thread = 4
+    cfg = config(save_child=True, task="statistics")
+    threads_before, switch_before = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(1)  # the same arithmetic in every thread, so the numbers compare
+    sys.setswitchinterval(1e-5)  # threads take turns between far fewer bytecodes than usual
+    try:
+        atb_probe.enable(str(tmp_path / "alone"), cfg)
+        with torch.no_grad():
+            for ids in inputs:
+                model(ids)
+        assert atb_probe.disable(timeout=60)
+
+        errors = []
+        start_together = threading.Barrier(len(inputs))
+
+        def serve(ids):
+            try:
+                start_together.wait(60)
+                with torch.no_grad():
+                    for _ in range(per_thread):
+                        model(ids)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        atb_probe.enable(str(tmp_path / "threads"), cfg)
+        workers = [threading.Thread(target=serve, args=(ids,)) for ids in inputs]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(300)
+        assert atb_probe.disable(timeout=60)
+    finally:
+        torch.set_num_threads(threads_before)
+        sys.setswitchinterval(switch_before)
+    assert errors == []
+    err = capfd.readouterr().err
+    assert "[atb-probe] ERROR" not in err and "WARNING" not in err, err
+
+    alone = next((tmp_path / "alone/atb_dump_data/data").iterdir())
+    expected = sorted(round_signature(alone / str(i)) for i in range(len(inputs)))
+    assert len(set(expected)) == len(inputs)  # each input leaves rounds of its own
+    root = tmp_path / "threads/atb_dump_data"
+    rows = check_dump(root)  # every line complete, every row's columns well-formed
+    assert rows and all(r["Max"] != "N/A" and r["Norm"] != "N/A" for r in rows
+                        if "0" not in r["Shape"].split("x"))  # empty tensors have none
+    proc = next((root / "data").iterdir())
+    got = sorted(round_signature(r) for r in proc.iterdir())
+    assert got == sorted(expected * per_thread)
+    # The structure files, written once by whichever thread got there first, are the same.
+    assert contents(root / "info") == contents(tmp_path / "alone/atb_dump_data/info")
+    status = json.loads(next((root / "status").iterdir()).read_text())
+    assert status["last_error"] is None and status["rounds_dumped"] == len(inputs) * per_thread

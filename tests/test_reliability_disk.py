@@ -29,7 +29,7 @@ import atb_probe
 from atb_probe.binfile import read_header
 from atb_probe.record.safefs import SafeTree
 from atb_probe.record.writer import Writer
-from atb_probe.statcsv import COLUMNS
+from atb_probe.statcsv import COLUMNS, HEADER
 
 from conftest import config, generate, tiny_llama
 
@@ -231,6 +231,11 @@ def test_disk_filled_by_another_writer_at_any_point_is_handled(mount_fs, monkeyp
     check_dump(fs.path / "atb_dump_data")
 
 
+def tensor_record(path: str, index: int = 0) -> tuple:
+    """A statistic.csv record (`statcsv.format_records`) of an op output written to `path`."""
+    return ("0_1", "0", "Op", "Op", "0", "output", str(index), "float", "nd", (4,), None, path)
+
+
 def test_write_that_hits_a_full_disk_leaves_no_partial_file(mount_fs, capfd):
     """A file system that says it has room and then has none (quotas, thin provisioning, a
     shared disk): the file write fails half-way, and nothing of it stays."""
@@ -241,8 +246,8 @@ def test_write_that_hits_a_full_disk_leaves_no_partial_file(mount_fs, capfd):
     for i in range(3):
         writer.put_file("data/0_1/0/0_Op/after", f"outtensor{i}.bin",
                         [b"header\n", payload], len(payload))
-        writer.put_rows("data/0_1/0", "statistic.csv",
-                        f"row,{tree.root}/data/0_1/0/0_Op/after/outtensor{i}.bin\n", "h,path\n")
+        writer.put_records("data/0_1/0", "statistic.csv", [tensor_record(
+            f"{tree.root}/data/0_1/0/0_Op/after/outtensor{i}.bin", i)], HEADER)
     assert writer.close(timeout=30)
     errors = probe_lines(capfd.readouterr().err, "ERROR")
     assert len(errors) == 1 and "disk full while writing" in errors[0]
@@ -252,8 +257,10 @@ def test_write_that_hits_a_full_disk_leaves_no_partial_file(mount_fs, capfd):
     assert (fs.path / "atb_dump_data/data/0_1/0/0_Op/after/outtensor0.bin").stat().st_size == \
         len(payload) + 7
     csv_text = (fs.path / "atb_dump_data/data/0_1/0/statistic.csv").read_text()
-    assert csv_text.splitlines() == ["h,path", f"row,{tree.root}/data/0_1/0/0_Op/after/"
-                                                "outtensor0.bin"]
+    assert csv_text.splitlines() == [
+        HEADER.rstrip("\n"),
+        f"0_1,0,Op,Op,0,output,0,float,nd,4,N/A,N/A,N/A,N/A,{tree.root}/data/0_1/0/0_Op/after/"
+        "outtensor0.bin"]
 
 
 def test_back_pressure_after_a_long_idle_time_is_not_taken_for_a_stuck_disk(tmp_path, capfd):
@@ -276,7 +283,8 @@ def test_csv_rows_do_not_wait_for_a_busy_writer_to_run_dry(mount_fs):
     tree = SafeTree(str(fs.path / "atb_dump_data"))
     writer = Writer(tree, queue_bytes=1 << 30, min_free=0)
     writer.put_file("r/0", "first.bin", [b"x"], 1)
-    writer.put_rows("r", "statistic.csv", f"row,{tree.root}/r/0/first.bin\n", "h,path\n")
+    writer.put_records("r", "statistic.csv", [tensor_record(f"{tree.root}/r/0/first.bin")],
+                       HEADER)
     payload = bytes(4096)
     for i in range(20000):
         writer.put_file(f"r/{i % 100}", f"{i}.bin", [payload], len(payload))
@@ -409,7 +417,12 @@ def test_permission_denied_mid_dump_stops_it_with_one_error():
             data = out / "atb_dump_data" / "data"
             for d, dirs, _ in os.walk(data):
                 os.chmod(d, 0o555)
-            time.sleep(1.0)
+            status = out / "atb_dump_data" / "status"
+            while "permission denied" not in "".join(
+                    p.read_text() for p in status.iterdir() if not p.name.startswith(".")):
+                assert proc.poll() is None and time.monotonic() < deadline + 60, \
+                    proc.stderr.read()
+                time.sleep(0.01)  # until the probe's status reports the error
             stop.touch()
             stdout, stderr = proc.communicate(timeout=60)
         finally:

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, config
+import atb_probe
+
+from conftest import DEFAULT_SIGNALS, SCRIPTS, config
 from test_reliability_disk import bins, check_dump, mount_fs, probe_lines  # noqa: F401
 
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878
@@ -72,7 +74,7 @@ def start(tmp: Path, out: Path, rounds: int, ending: str, cfg: dict, **env) -> s
     script.write_text(textwrap.dedent(HEAVY))
     (tmp / "config.json").write_text(json.dumps(cfg))
     cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={out} --config={tmp / "config.json"}'
-           f' && exec "{sys.executable}" "{script}" {rounds} {ending}')
+           f' && exec {DEFAULT_SIGNALS} "{sys.executable}" "{script}" {rounds} {ending}')
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
     full_env.update({"ATB_PROBE_MIN_FREE_BYTES": "0", **env})
@@ -141,6 +143,58 @@ def test_exit_and_stop_signals_write_everything_queued_first(tmp_path, ending, r
     assert probe_lines(stderr, "ERROR") == []
 
 
+# The in-process API: a probe enabled, disabled and enabled again, then SIGTERM.
+REENABLED = """
+import json, os, signal, sys, time
+import torch
+from torch import nn
+import atb_probe
+
+torch.manual_seed(0)
+model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8))).eval()
+x = torch.randn(64, 256)
+cfg = json.loads(sys.argv[3])
+atb_probe.enable(sys.argv[1], cfg)
+with torch.no_grad():
+    model(x)
+atb_probe.disable()
+atb_probe.enable(sys.argv[2], cfg)
+with torch.no_grad():
+    for i in range(int(sys.argv[4])):
+        model(x)
+print("PENDING", atb_probe.active().writer.pending(), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(60)
+print("NOT-KILLED", flush=True)
+"""
+
+
+def test_sigterm_writes_the_queue_of_a_probe_enabled_again(tmp_path):
+    """SIGTERM flushes the probe open now, not the first one this process had: enable, disable,
+    enable, dump, SIGTERM; every round of the second probe is on disk."""
+    script = tmp_path / "reenabled.py"
+    script.write_text(REENABLED)
+    first, second, rounds = tmp_path / "first", tmp_path / "second", 6
+    cfg = config(save_child=True, filter_level=0, task="all")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
+    env["ATB_PROBE_MIN_FREE_BYTES"] = "0"
+    cmd = (f'exec {DEFAULT_SIGNALS} "{sys.executable}" "{script}" "{first}" "{second}" '
+           f"'{json.dumps(cfg)}' {rounds}")
+    result = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    assert int(result.stdout.split("PENDING ")[1].split()[0]) > 0
+    root = second / "atb_dump_data"
+    rows = check_dump(root)
+    assert sorted({r["Execution Count"] for r in rows}) == [str(i) for i in range(rounds)]
+    assert all(r["Tensor Path"] != "N/A" for r in rows)
+    status = status_of(root)
+    assert status["exited"] is True and status["bytes_queued"] == 0
+    assert status["rounds_dumped"] == rounds
+    assert probe_lines(result.stderr, "ERROR") == []
+
+
 def test_stuck_disk_cannot_hang_the_model_or_its_exit(tmp_path, mount_fs):
     """The file system is frozen (every write blocks) in the middle of a dump: the model runs
     to its end once the queue stops moving (ATB_PROBE_STALL_TIMEOUT), and the exit flush gives
@@ -185,3 +239,35 @@ def test_stuck_disk_cannot_hang_the_model_or_its_exit(tmp_path, mount_fs):
     assert len(stalls) == 1, stderr
     assert "Traceback" not in stderr
     check_dump(out / "atb_dump_data", temp_files_allowed=True)
+
+
+def test_the_sigterm_handler_is_there_while_a_probe_is_open_and_gone_after(tmp_path):
+    """The probe's SIGTERM handler goes in when the first probe opens (over the default
+    disposition only) and the default comes back when the last one closes."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # however the suite was started
+    try:
+        atb_probe.enable(str(tmp_path / "a"), config(dump_enable=False))
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        atb_probe.disable()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        atb_probe.enable(str(tmp_path / "b"), config(dump_enable=False))
+        assert signal.getsignal(signal.SIGTERM) is handler
+        atb_probe.disable()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_host_handler_for_sigterm_is_left_alone(tmp_path):
+    def host(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, host)
+    try:
+        atb_probe.enable(str(tmp_path), config(dump_enable=False))
+        assert signal.getsignal(signal.SIGTERM) is host
+        atb_probe.disable()
+        assert signal.getsignal(signal.SIGTERM) is host
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import (SCRIPTS, LiveProcess, config, count_rounds_by_config, read_csv,
-                      wait_until)
+from conftest import (DEFAULT_SIGNALS, SCRIPTS, LiveProcess, config, count_rounds_by_config,
+                      read_csv, wait_until)
 
 SERVER = Path(__file__).resolve().parent.parent / "examples" / "service" / "server.py"
 WAKE = "Ready to dump ATB data, the running speed of the model will be affected"
@@ -48,8 +48,8 @@ class Service(LiveProcess):
         self.root = tmp / "atb_dump_data"
         port = free_port()
         cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={tmp} --config={self.config_path}'
-               f' && exec "{sys.executable}" "{SERVER}" --port {port} --hidden 32 --layers 2'
-               f' --vocab 64 --torch-threads 1')
+               f' && exec {DEFAULT_SIGNALS} "{sys.executable}" "{SERVER}" --port {port}'
+               f' --hidden 32 --layers 2 --vocab 64 --torch-threads 1')
         self.proc = subprocess.Popen(["bash", "-c", cmd], cwd=tmp, env=probe_env(), text=True,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
@@ -180,11 +180,11 @@ def test_the_guide_walkthrough_dumps_exactly_the_rounds_of_one_request(service, 
     svc.wait_applied(dump_enable=False, exec_range="all", ids="2")
     before, counted = tree(svc.root / "data"), svc.status()["rounds_started"]
     svc.chat(max_tokens=2)
-    deadline = time.monotonic() + 0.5  # long enough for a dumped round to show
-    while time.monotonic() < deadline:
-        assert svc.status()["rounds_started"] == counted
-        assert tree(svc.root / "data") == before
-        time.sleep(0.05)
+    # A new configuration in effect means the status was rewritten after the request.
+    svc.write_config(dump_enable=False, exec_range="all", ids="3")
+    assert svc.wait_applied(dump_enable=False, exec_range="all", ids="3")["rounds_started"] == \
+        counted
+    assert tree(svc.root / "data") == before
 
     # 6: stop the service (Ctrl-C): the probe flushes and says the process exited.
     assert svc.stop(signal.SIGINT) == 0, "\n".join(svc.stderr)

@@ -21,7 +21,7 @@ import torch
 
 from atb_probe.capture.device import device_id
 from atb_probe.probe import Probe
-from atb_probe.tools.reader import load_tensor
+from atb_probe.binread import load_tensor
 from conftest import SCRIPTS, config, read_csv, run_loaded, torchrun_loaded
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel"
@@ -243,7 +243,10 @@ def test_a_device_decided_after_start_leaves_no_second_name(tmp_path):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
         with torch.no_grad():
             model(torch.ones(1, 4))
-        time.sleep(0.6)  # the watch thread rewrites the status meanwhile
+        moved, deadline = os.path.join(status, f"3_{os.getpid()}.json"), time.time() + 30
+        while not (os.path.exists(moved) and '"rounds_dumped": 1' in open(moved).read()):
+            assert time.time() < deadline, "the status never showed the round"
+            time.sleep(0.01)  # the watch thread rewrites the status meanwhile
         print("PID", os.getpid())
     """
     result = run_loaded(tmp_path, script, config(exec_range="all"))

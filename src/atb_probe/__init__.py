@@ -54,7 +54,7 @@ def active():
 
 def load(path):
     """A `.bin` file (data, reference or header-only) as a torch tensor."""
-    from .tools.reader import load_tensor
+    from .binread import load_tensor
     return load_tensor(path)
 
 

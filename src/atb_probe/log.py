@@ -1,4 +1,9 @@
-"""The probe's messages: one clear line each on stderr, never an exception into the host."""
+"""The probe's messages: one clear line each on stderr, never an exception into the host.
+
+`warn_once` and `error_once` say a thing the first time its key is seen: in this process, or
+within the `seen` set of one owner (a probe, a writer) that should say it again when a new one
+starts. `_lock` guards every such set.
+"""
 from __future__ import annotations
 
 import sys
@@ -21,13 +26,25 @@ def error(message: str) -> None:
     _emit(f"{PREFIX} ERROR: {message}")
 
 
-def warn_once(key: str, message: str) -> None:
-    """Warn the first time `key` is seen in this process."""
+def warn_once(key: str, message: str, seen: set[str] | None = None) -> None:
+    """Warn the first time `key` is seen (in this process, or in `seen`)."""
+    if _first(key, seen):
+        warn(message)
+
+
+def error_once(key: str, message: str, seen: set[str] | None = None) -> None:
+    """Report an error the first time `key` is seen (in this process, or in `seen`)."""
+    if _first(key, seen):
+        error(message)
+
+
+def _first(key: str, seen: set[str] | None) -> bool:
+    keys = _seen if seen is None else seen
     with _lock:
-        if key in _seen:
-            return
-        _seen.add(key)
-    warn(message)
+        if key in keys:
+            return False
+        keys.add(key)
+    return True
 
 
 def _emit(line: str) -> None:

@@ -41,7 +41,3 @@ def kernel_name(op_name: str) -> str:
 def _camel(text: str) -> str:
     return "".join(w[:1].upper() + w[1:] for w in text.split("_") if w)
 
-
-def op_dir(op_index: int | str, op_name: str) -> str:
-    """The folder of an op: `<own id>_<name>`."""
-    return f"{op_index}_{op_name}"

@@ -13,10 +13,11 @@ as torchrun programs normally do, the two agree.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
+
+from ..process.identity import local_rank
 
 _NOT_ACCELERATORS = frozenset({"cpu", "meta"})
 _MAX_DEPTH = 3
@@ -33,12 +34,6 @@ def device_id(module, args, kwargs) -> int:
         if index is not None:
             return index
     return local_rank()
-
-
-def local_rank() -> int:
-    """`LOCAL_RANK` from the environment (set per process by torchrun), else 0."""
-    raw = os.environ.get("LOCAL_RANK", "")
-    return int(raw) if raw.isdecimal() else 0
 
 
 def _candidates(module, args, kwargs):

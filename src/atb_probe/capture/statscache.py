@@ -28,6 +28,7 @@ counter).
 """
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -64,15 +65,22 @@ def _version(t: torch.Tensor):
 
 
 class StatsCache:
-    """`statistics` of a side of an op, reusing earlier results (see the module docstring)."""
+    """`statistics` of a side of an op, reusing earlier results (see the module docstring).
+
+    One cache serves every model thread. `_lock` guards the changes to `_entries` and `_limit`
+    (a store, the eviction that walks the entries, a clear): two threads evicting at once would
+    delete the same key, or change the dict while the other walks it. Lookups take no lock: a
+    dict read is atomic, and an entry is checked against its live owner before it is used."""
 
     def __init__(self):
         self._entries: dict = {}
         self._limit = MAX_ENTRIES
+        self._lock = threading.Lock()
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._limit = MAX_ENTRIES
+        with self._lock:
+            self._entries.clear()
+            self._limit = MAX_ENTRIES
 
     def side(self, tensors: list, kernel_output: bool = False, inputs_seen=None,
              remember_inputs: bool = False):
@@ -127,16 +135,18 @@ class StatsCache:
         return results, remembered
 
     def _store(self, key, owner, value) -> None:
-        entries = self._entries
-        if len(entries) >= self._limit:
-            # Drop the entries whose tensors died (most activations); clear if that is not
-            # enough, and let the limit follow what stays alive (weights, caches).
-            for k in [k for k, (ref, _) in entries.items() if ref() is None]:
-                del entries[k]
-            if len(entries) >= self._limit * 3 // 4:
-                entries.clear()
-            self._limit = max(MAX_ENTRIES, 2 * len(entries))
         try:
-            entries[key] = (weakref.ref(owner), value)
+            entry = (weakref.ref(owner), value)
         except TypeError:  # not weak-referenceable
-            pass
+            return
+        with self._lock:
+            entries = self._entries
+            if len(entries) >= self._limit:
+                # Drop the entries whose tensors died (most activations); clear if that is not
+                # enough, and let the limit follow what stays alive (weights, caches).
+                for k in [k for k, (ref, _) in entries.items() if ref() is None]:
+                    del entries[k]
+                if len(entries) >= self._limit * 3 // 4:
+                    entries.clear()
+                self._limit = max(MAX_ENTRIES, 2 * len(entries))
+            entries[key] = entry

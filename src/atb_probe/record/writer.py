@@ -15,12 +15,15 @@ denied, I/O error) stops the writer with one clear message; nothing half-written
 csv rows are batched per file and appended atomically (see `SafeTree.append_lines`) at most every
 `ROWS_DELAY` seconds, and at once on `flush`/`close`. Queued and batched bytes both count in
 `bytes_queued` until they are on disk.
+
+A job is a small record (`FileJob`, `JsonJob`, `RowsJob`) that carries the bytes it accounts
+for. `_cond` guards what producers and the writer thread share: the job queue, the csv batches
+waiting, `stats.bytes_queued`, `failed` and closed, the busy and urgent flags and the time of
+the last progress. The other counters of `stats` are written by the writer thread only.
 """
 from __future__ import annotations
 
-import csv
 import errno
-import io
 import json
 import os
 import threading
@@ -59,6 +62,38 @@ class WriterStats:
     last_error: str | None = None
 
 
+@dataclass(slots=True)
+class FileJob:
+    """A file made of `chunks` (header bytes, then buffers the writer may keep)."""
+
+    rel_dir: str
+    name: str
+    chunks: list
+    size: int  # accounted bytes
+
+
+@dataclass(slots=True)
+class JsonJob:
+    """A JSON document, serialised on the writer thread."""
+
+    rel_dir: str
+    name: str
+    doc: object
+    size: int
+
+
+@dataclass(slots=True)
+class RowsJob:
+    """statistic.csv records queued behind earlier jobs; they join their file's batch when the
+    writer reaches them."""
+
+    rel_dir: str
+    name: str
+    records: list
+    header: str
+    size: int
+
+
 class _Rows:
     """csv rows waiting to be appended to one file."""
 
@@ -66,8 +101,8 @@ class _Rows:
 
     def __init__(self, header: str, now: float, file_bytes: int):
         self.header = header
-        self.parts: list = []  # csv bytes, or lists of records (statcsv.format_records)
-        self.nbytes = 0        # bytes of rows waiting (records: estimated)
+        self.parts: list = []  # lists of records (statcsv.format_records)
+        self.nbytes = 0        # bytes of rows waiting (estimated)
         self.accounted = 0     # their share of bytes_queued
         self.file_bytes = file_bytes  # bytes this writer has appended to the file so far
         self.due = now + min(ROWS_MAX_DELAY, ROWS_DELAY * max(1.0, file_bytes / ROWS_BATCH))
@@ -84,7 +119,7 @@ class Writer:
         self.stall_seconds = _stall_from_env() if stall_seconds is None else stall_seconds
         self.stats = WriterStats()
         self.failed = False
-        self._warned: set[str] = set()
+        self._warned: set[str] = set()  # this writer's warn-once keys (log.warn_once)
         self._reset_queue()
         self._closed = False
         tree.progress = self._progress
@@ -104,41 +139,36 @@ class Writer:
 
     def put_file(self, rel_dir: str, name: str, chunks: list, payload_bytes: int) -> None:
         """Queue a file made of `chunks` (header bytes, then buffers the writer may keep)."""
-        self._put(("file", rel_dir, name, chunks), payload_bytes + _JOB_OVERHEAD)
-
-    def put_rows(self, rel_dir: str, name: str, text: str, header: str) -> None:
-        """Queue complete csv lines for `rel_dir/name`; a new file starts with `header`."""
-        data = text.encode("utf-8")
-        self._put_rows(rel_dir, name, data, header, len(data) + _JOB_OVERHEAD)
+        self._put(FileJob(rel_dir, name, chunks, payload_bytes + _JOB_OVERHEAD))
 
     def put_records(self, rel_dir: str, name: str, records: list, header: str) -> None:
-        """Queue statistic.csv rows as records (see `statcsv.format_records`): they are
-        formatted on the writer thread, when their batch is written."""
-        self._put_rows(rel_dir, name, records, header, _RECORD_BYTES * len(records))
+        """Queue statistic.csv rows as records (see `statcsv.format_records`) for
+        `rel_dir/name`, a new file starting with `header`: they are formatted on the writer
+        thread, when their batch is written.
 
-    def put_json(self, rel_dir: str, name: str, obj) -> None:
-        """Queue a JSON document; it is serialised on the writer thread."""
-        self._put(("json", rel_dir, name, obj), 4096)
-
-    def _put(self, job: tuple, size: int) -> None:
-        with self._cond:
-            if not self._admit(size):
-                return
-            self._jobs.append((job, size))
-            self._cond.notify_all()
-
-    def _put_rows(self, rel_dir: str, name: str, part, header: str, size: int) -> None:
-        """Rows join their file's batch at once when nothing is queued before them (so every
+        Rows join their file's batch at once when nothing is queued before them (so every
         file they name has been dealt with), without waking the writer unless the batch is new
         or full: the writer sleeps until the batch is due. Otherwise they queue in order."""
+        size = _RECORD_BYTES * len(records)
         with self._cond:
             if not self._admit(size):
                 return
             if self._jobs or self._busy:
-                self._jobs.append((("rows", rel_dir, name, part, header), size))
+                self._jobs.append(RowsJob(rel_dir, name, records, header, size))
                 self._cond.notify_all()
-            elif self._batch((rel_dir, name), header, part, size):
+            elif self._batch((rel_dir, name), header, records, size):
                 self._cond.notify_all()
+
+    def put_json(self, rel_dir: str, name: str, obj) -> None:
+        """Queue a JSON document; it is serialised on the writer thread."""
+        self._put(JsonJob(rel_dir, name, obj, 4096))
+
+    def _put(self, job: FileJob | JsonJob) -> None:
+        with self._cond:
+            if not self._admit(job.size):
+                return
+            self._jobs.append(job)
+            self._cond.notify_all()
 
     def _admit(self, size: int) -> bool:
         """(Holding `_cond`.) Wait for room for `size` bytes (back-pressure), then account for
@@ -219,7 +249,7 @@ class Writer:
     def _run(self) -> None:
         while True:
             with self._cond:
-                job = size = None
+                job = None
                 while True:
                     # Rows that are due go first, even while files keep coming: a busy writer
                     # must not let statistic.csv fall behind the files it lists.
@@ -227,7 +257,7 @@ class Writer:
                     if wait is not None and wait <= 0:
                         break
                     if self._jobs:
-                        job, size = self._jobs.popleft()
+                        job = self._jobs.popleft()
                         break
                     if wait is None and self._closed:
                         return
@@ -239,19 +269,18 @@ class Writer:
             try:
                 if job is None:
                     self._write_rows()
-                elif job[0] == "rows":
-                    kept = size  # the batch accounts for it from here
-                    _, rel_dir, name, part, header = job
+                elif type(job) is RowsJob:
+                    kept = job.size  # the batch accounts for it from here
                     with self._cond:  # written when due: see the wait above
-                        self._batch((rel_dir, name), header, part, size)
+                        self._batch((job.rel_dir, job.name), job.header, job.records, job.size)
                 elif not self.failed:
                     self._do(job)
             except Exception as exc:  # the writer must never die silently
                 self._fail(exc, self._where(job))
             finally:
                 with self._cond:
-                    if size:
-                        self.stats.bytes_queued -= size - kept
+                    if job is not None:
+                        self.stats.bytes_queued -= job.size - kept
                     self._busy = False
                     self._last_progress = time.monotonic()
                     self._cond.notify_all()
@@ -265,11 +294,11 @@ class Writer:
     def _progress(self, nbytes: int) -> None:
         self._last_progress = time.monotonic()
 
-    def _do(self, job: tuple) -> None:
-        kind, rel_dir, name = job[:3]
+    def _do(self, job: FileJob | JsonJob) -> None:
+        rel_dir, name = job.rel_dir, job.name
         try:
-            if kind == "file":
-                chunks = job[3]
+            if type(job) is FileJob:
+                chunks = job.chunks
                 nbytes = sum(memoryview(c).nbytes for c in chunks)
                 if not self._has_room(rel_dir, nbytes, name):
                     self._missing.add(self.tree.path(f"{rel_dir}/{name}"))
@@ -277,30 +306,31 @@ class Writer:
                 self.tree.write_file(rel_dir, name, chunks)
                 self.stats.files_written += 1
                 self.stats.bytes_written += nbytes
-            elif kind == "json":
-                data = json.dumps(job[3], indent=2, ensure_ascii=False,
+            else:
+                data = json.dumps(job.doc, indent=2, ensure_ascii=False,
                                   default=str).encode("utf-8")
                 self.stats.bytes_written += self.tree.write_file(rel_dir, name, [data])
                 self.stats.files_written += 1
         except UnsafePathError as exc:
-            self._refuse(exc, rel_dir, name, kind)
+            self._refuse(exc, rel_dir, name, is_tensor_file=type(job) is FileJob)
 
-    def _where(self, job: tuple | None) -> str:
-        return self.tree.path(f"{job[1]}/{job[2]}") if job else self.tree.root
+    def _where(self, job: FileJob | JsonJob | RowsJob | None) -> str:
+        return self.tree.path(f"{job.rel_dir}/{job.name}") if job else self.tree.root
 
-    def _refuse(self, exc: UnsafePathError, rel_dir: str, name: str, kind: str) -> None:
+    def _refuse(self, exc: UnsafePathError, rel_dir: str, name: str,
+                is_tensor_file: bool) -> None:
         self.stats.files_skipped += 1
-        if kind == "file":
+        if is_tensor_file:
             self._missing.add(self.tree.path(f"{rel_dir}/{name}"))
         where = exc.filename or self.tree.path(rel_dir)
         message = f"{exc.strerror}: {where}; such files are skipped"
         self.stats.last_error = message
-        self._warn_once(f"unsafe-path-{exc.errno}", message)
+        log.warn_once(f"unsafe-path-{exc.errno}", message, self._warned)
 
     # -- csv rows -----------------------------------------------------------------------------
 
     def _batch(self, key: tuple[str, str], header: str, part, size: int) -> bool:
-        """(Holding `_cond`.) Add rows (bytes or records) to the batch of file `key`; from here
+        """(Holding `_cond`.) Add records to the batch of file `key`; from here
         the batch accounts for their `size` queued bytes. True when the writer should look at
         the batches now: a new one (its due time) or one big enough to write."""
         rows = self._rows.get(key)
@@ -329,7 +359,7 @@ class Writer:
             try:
                 self._append(key, rows)
             except UnsafePathError as exc:
-                self._refuse(exc, key[0], key[1], "rows")
+                self._refuse(exc, key[0], key[1], is_tensor_file=False)
             except Exception as exc:
                 error = exc
             finally:
@@ -347,10 +377,8 @@ class Writer:
             self._row_file_bytes.clear()
         self._row_file_bytes[key] = rows.file_bytes + len(data)
 
-    def _encode(self, part) -> bytes:
+    def _encode(self, part: list) -> bytes:
         """csv bytes of a batch part; rows naming a skipped file say N/A in their Tensor Path."""
-        if isinstance(part, bytes):
-            return self._unname_missing(part) if self._missing else part
         if self._missing:
             part = [self._unname_record(r) for r in part]
         return format_records(part).encode("utf-8")
@@ -366,24 +394,6 @@ class Writer:
             self.stats.bytes_queued -= rows.accounted
             self._cond.notify_all()
 
-    def _unname_missing(self, data: bytes) -> bytes:
-        """Rows whose Tensor Path (the last cell) names a file that was skipped say N/A."""
-        try:
-            out = io.StringIO()
-            writer = csv.writer(out, lineterminator="\n")
-            changed = False
-            for row in csv.reader(io.StringIO(data.decode("utf-8"))):
-                if row and row[-1] in self._missing:
-                    self._missing.discard(row[-1])
-                    row[-1] = _NA
-                    changed = True
-                writer.writerow(row)
-        except (ValueError, csv.Error):
-            return data
-        if len(self._missing) > 100_000:  # files whose rows never came: forget them
-            self._missing.clear()
-        return out.getvalue().encode("utf-8") if changed else data
-
     # -- free space and failure ---------------------------------------------------------------
 
     def _has_room(self, rel_dir: str, nbytes: int, name: str) -> bool:
@@ -395,8 +405,9 @@ class Writer:
         message = (f"only {_size(free)} free under {self.tree.root}; skipping {name} "
                    f"(a tensor file needs {_size(self.min_free)} free plus twice its size)")
         self.stats.last_error = message
-        self._warn_once("free-space", message + ". Free some space; later files are skipped "
-                      "the same way (set ATB_PROBE_MIN_FREE_BYTES to change the reserve).")
+        log.warn_once("free-space", message + ". Free some space; later files are skipped the "
+                      "same way (set ATB_PROBE_MIN_FREE_BYTES to change the reserve).",
+                      self._warned)
         return False
 
     def _fail(self, exc: Exception, where: str) -> None:
@@ -410,11 +421,6 @@ class Writer:
             # Rows already waiting name files that are on disk: keep them if the disk lets us.
             self._write_rows()
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warn(message)
-
     def _stop(self, message: str) -> bool:
         """Stop writing: drop what is queued and say why, once. False if already stopped."""
         with self._cond:
@@ -422,7 +428,7 @@ class Writer:
                 return False
             self.failed = True
             self.stats.last_error = message
-            dropped = sum(s for _, s in self._jobs)
+            dropped = sum(job.size for job in self._jobs)
             self._jobs.clear()
             self.stats.bytes_queued -= dropped
             self._cond.notify_all()

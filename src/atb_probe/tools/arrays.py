@@ -16,7 +16,7 @@ import numpy as np
 
 from ..binfile import MAX_HEADER_BYTES, BinFormatError, parse_header
 from .dumpreader import NoData
-from .reader import HeaderOnlyError, load_numpy, resolve
+from ..binread import HeaderOnlyError, load_numpy, resolve
 
 FIRST_READ = 1 << 16   # one read covers the header and the payload of most layer-level tensors
 

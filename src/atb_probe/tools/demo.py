@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from .. import layout
 from ..statcsv import FILE_NAME as CSV_FILE
 from .run import probe_env
 
@@ -51,7 +52,7 @@ def run_demo(args) -> int:
     if result.returncode:
         print(f"the model program failed (exit {result.returncode})", file=sys.stderr)
         return result.returncode
-    root = os.path.join(output, "atb_dump_data")
+    root = layout.dump_root(output)
     print(f"\ndump:    {root}")
     print_tree(root)
     print("\nnext:    atb-probe show " + root + "\n         atb-probe status " + output)
@@ -60,7 +61,7 @@ def run_demo(args) -> int:
 
 def print_tree(root: str, max_ops: int = 8) -> None:
     """A short tree: processes, rounds, the first ops of each round with their files."""
-    data = os.path.join(root, "data")
+    data = os.path.join(root, layout.DATA_DIR)
     if not os.path.isdir(data):
         print("  (no data: was dump_enable true?)")
         return
@@ -69,8 +70,9 @@ def print_tree(root: str, max_ops: int = 8) -> None:
         pdir = os.path.join(data, proc)
         for rnd in sorted(os.listdir(pdir), key=lambda s: (len(s), s)):
             rdir = os.path.join(pdir, rnd)
-            ops = sorted((d for d in os.listdir(rdir) if os.path.isdir(os.path.join(rdir, d))),
-                         key=lambda s: int(s.split("_")[0]) if s.split("_")[0].isdigit() else 0)
+            ops = sorted((d for d in os.listdir(rdir) if os.path.isdir(os.path.join(rdir, d))
+                          and layout.parse_op_folder(d)),
+                         key=lambda d: int(layout.parse_op_folder(d)[0]))
             rows = _count_lines(os.path.join(rdir, CSV_FILE)) - 1
             print(f"    {rnd}/  statistic.csv ({rows} tensors), {len(ops)} layer-level ops")
             for op in ops[:max_ops]:
@@ -78,7 +80,7 @@ def print_tree(root: str, max_ops: int = 8) -> None:
                 print(f"      {op}/  {files} files, {size} bytes")
             if len(ops) > max_ops:
                 print(f"      ... {len(ops) - max_ops} more")
-    for sub in ("info/layer", "info/model", "status"):
+    for sub in [f"{layout.INFO_DIR}/{kind}" for kind in layout.INFO_KINDS] + [layout.STATUS_DIR]:
         path = os.path.join(root, sub)
         if os.path.isdir(path):
             count = sum(len(files) for _, _, files in os.walk(path))

@@ -21,17 +21,13 @@ from __future__ import annotations
 import csv
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from .. import layout
 from ..binfile import BinFormatError
-from ..statcsv import COLUMNS, FILE_NAME as CSV_FILE, NA
-from .reader import HeaderOnlyError, load_numpy, load_tensor
-
-_PROC = re.compile(r"^(\d+)_(\d+)$")
-_TENSOR_FILE = re.compile(r"^(intensor|outtensor)(.+)\.bin$")
-
+from ..statcsv import COLUMNS, NA
+from ..binread import HeaderOnlyError, load_numpy, load_tensor
 
 class DumpError(Exception):
     """A path that is not a dump (or not the part of one that was asked for)."""
@@ -68,7 +64,7 @@ class TensorRecord:
     @property
     def op_path(self) -> str:
         """`2_LlamaDecoderLayer/1_LlamaAttention`: the op's folder below the round."""
-        return "/".join(f"{i}_{n}" for i, n in zip(self.id_parts, self.name_parts))
+        return layout.op_path(self.op_id, self.op_name)
 
     @property
     def data_name(self) -> str:
@@ -78,7 +74,7 @@ class TensorRecord:
     @property
     def layer(self) -> str:
         """The layer-level op this tensor belongs to: `2_LlamaDecoderLayer`."""
-        return f"{self.id_parts[0]}_{self.name_parts[0]}"
+        return layout.op_folder(self.id_parts[0], self.name_parts[0])
 
     def load(self):
         """The values as a numpy array (bf16/fp8 as float32); `NoData` when there are none."""
@@ -134,14 +130,15 @@ class Round:
         self.path = path
         self.process = process
         name = os.path.basename(path)
-        self.index = int(name) if name.isdigit() else -1
+        index = layout.round_index(name)
+        self.index = -1 if index is None else index
 
     def __repr__(self) -> str:
         return f"Round({self.process.name}/{self.index})"
 
     @property
     def csv_path(self) -> str:
-        return os.path.join(self.path, CSV_FILE)
+        return layout.round_csv(self.path)
 
     @cached_property
     def tensors(self) -> list[TensorRecord]:
@@ -200,19 +197,19 @@ class Round:
         as msprobe assumes), else the path as written, else the path the layout gives."""
         written = row.get("Tensor Path", NA)
         if written and written != NA:
-            marker = written.rfind("atb_dump_data/")
-            parts = written[marker:].split("/") if marker >= 0 else []
-            if len(parts) > 4:
-                candidate = os.path.join(self.path, *parts[4:])
+            below = layout.below_round(written)
+            if below:
+                candidate = os.path.join(self.path, below)
                 if os.path.isfile(candidate):
                     return candidate
             if os.path.isfile(written):
                 return written
-        ids, names = row["Op Id"].split("_"), row["Op Name"].split("/")
-        inputs = row["Input/Output"] == "input"
-        candidate = os.path.join(self.path, *(f"{i}_{n}" for i, n in zip(ids, names)),
-                                 "before" if inputs else "after",
-                                 f"{'intensor' if inputs else 'outtensor'}{row['Index']}.bin")
+        io = row["Input/Output"]
+        if io not in (layout.INPUT, layout.OUTPUT):
+            return None
+        candidate = layout.tensor_rel(
+            os.path.join(self.path, layout.op_path(row["Op Id"], row["Op Name"])), io,
+            row["Index"])
         return candidate if os.path.isfile(candidate) else None
 
     def _from_folders(self) -> list[TensorRecord]:
@@ -220,26 +217,29 @@ class Round:
         records: list[TensorRecord] = []
 
         def visit(folder: str, ids: list[str], names: list[str]) -> None:
-            files = {"before": [], "after": []}
+            files = {layout.INPUT: [], layout.OUTPUT: []}
             children = []
             for entry in sorted(os.listdir(folder)):
                 full = os.path.join(folder, entry)
-                if entry in files and os.path.isdir(full):
-                    files[entry] = sorted(
-                        (m.group(2), os.path.join(full, n)) for n in os.listdir(full)
-                        if (m := _TENSOR_FILE.match(n)) and os.path.isfile(os.path.join(full, n)))
-                elif os.path.isdir(full) and "_" in entry:
-                    own_id, _, name = entry.partition("_")
-                    if own_id.isdigit():
-                        children.append((int(own_id), own_id, name, full))
+                if not os.path.isdir(full):
+                    continue
+                if entry in layout.SIDE_DIRS:
+                    for n in os.listdir(full):
+                        parsed = layout.parse_tensor_file(n)
+                        if parsed and layout.side_dir(parsed[0]) == entry \
+                                and os.path.isfile(os.path.join(full, n)):
+                            files[parsed[0]].append((parsed[1], os.path.join(full, n)))
+                elif (op := layout.parse_op_folder(entry)) is not None:
+                    own_id, name = op
+                    children.append((int(own_id), own_id, name, full))
             op_id, op_name = "_".join(ids), "/".join(names)
-            for side, io in (("before", "input"), ("after", "output")):
-                if side == "after":
+            for io in (layout.INPUT, layout.OUTPUT):
+                if io == layout.OUTPUT:
                     for _, own_id, name, full in sorted(children):
                         visit(full, ids + [own_id], names + [name])
                 if not ids:
                     continue
-                for index, path in sorted(files[side], key=lambda f: _index_key(f[0])):
+                for index, path in sorted(files[io], key=lambda f: _index_key(f[0])):
                     try:
                         header = read_header(path)
                         dtype, shape = header.dtype.csv_name, "x".join(map(str, header.dims))
@@ -264,12 +264,10 @@ class Process:
     def __init__(self, path: str, rounds: list[str] | None = None):
         self.path = path
         self.name = os.path.basename(path)
-        m = _PROC.match(self.name)
-        self.device = int(m.group(1)) if m else -1
-        self.pid = int(m.group(2)) if m else -1
+        self.device, self.pid = layout.parse_devpid(self.name) or (-1, -1)
         if rounds is None:
             rounds = [os.path.join(path, d) for d in os.listdir(path)
-                      if d.isdigit() and os.path.isdir(os.path.join(path, d))]
+                      if layout.is_round_name(d) and os.path.isdir(os.path.join(path, d))]
         self.rounds = sorted((Round(r, self) for r in rounds), key=lambda r: r.index)
 
     def __repr__(self) -> str:
@@ -295,7 +293,7 @@ class Dump:
         if self.root is None:
             return out
         for p in self.processes:
-            folder = os.path.join(self.root, "info", sub, p.name)
+            folder = os.path.join(self.root, layout.info_dir(sub, p.name))
             if os.path.isdir(folder):
                 out[p.name] = sorted(os.path.join(folder, n) for n in os.listdir(folder)
                                      if n.endswith(".json"))
@@ -310,22 +308,22 @@ def open_dump(path: str) -> Dump:
     if not os.path.isdir(path):
         raise DumpError(f"{path} is a file; give a dump folder (for one .bin file use "
                         "`atb-probe parse`)")
-    if os.path.isdir(os.path.join(path, "atb_dump_data")):
-        path = os.path.join(path, "atb_dump_data")
-    base = os.path.basename(path)
-    if os.path.isdir(os.path.join(path, "data")) and not _is_round(path):
-        data = os.path.join(path, "data")
+    if os.path.isdir(layout.dump_root(path)):
+        path = layout.dump_root(path)
+    data = os.path.join(path, layout.DATA_DIR)
+    if os.path.isdir(data) and not layout.is_round_dir(path):
         return Dump(path, "root", _processes(data), path)
-    if base == "data" and os.path.basename(os.path.dirname(path)) == "atb_dump_data":
+    if layout.is_data_dir(path):
         return Dump(path, "root", _processes(path), os.path.dirname(path))
-    if _is_round(path):
-        parent = os.path.dirname(path)
+    if layout.is_round_dir(path):
+        parent = layout.process_of_round(path)
         proc = Process(parent, [path])
-        return Dump(path, "round", [proc], _root_above(parent))
-    if _PROC.match(base) or any(d.isdigit() for d in os.listdir(path)):
+        return Dump(path, "round", [proc], layout.root_of_process(parent))
+    if layout.parse_devpid(os.path.basename(path)) or \
+            any(layout.is_round_name(d) for d in os.listdir(path)):
         proc = Process(path)
         if proc.rounds:
-            return Dump(path, "process", [proc], _root_above(path))
+            return Dump(path, "process", [proc], layout.root_of_process(path))
     raise DumpError(f"{path} is not a dump: expected a folder holding atb_dump_data/, "
                     "atb_dump_data/ itself, a data/<dev>_<pid> folder or a round folder "
                     "(data/<dev>_<pid>/<round>, holding statistic.csv)")
@@ -335,22 +333,6 @@ def _processes(data: str) -> list[Process]:
     procs = [Process(os.path.join(data, d)) for d in sorted(os.listdir(data))
              if os.path.isdir(os.path.join(data, d))]
     return sorted(procs, key=lambda p: (p.device, p.pid, p.name))
-
-
-def _is_round(path: str) -> bool:
-    if not os.path.basename(path).isdigit():
-        return False
-    if os.path.isfile(os.path.join(path, CSV_FILE)):
-        return True
-    return bool(_PROC.match(os.path.basename(os.path.dirname(path))))
-
-
-def _root_above(proc_path: str) -> str | None:
-    data = os.path.dirname(proc_path)
-    root = os.path.dirname(data)
-    if os.path.basename(data) == "data" and os.path.basename(root) == "atb_dump_data":
-        return root
-    return None
 
 
 def _stats(row: dict) -> tuple[float, float, float, float] | None:

@@ -14,7 +14,7 @@ import sys
 
 from ..binfile import BinFormatError
 from . import extras
-from .reader import HeaderOnlyError, load_numpy, load_tensor
+from ..binread import HeaderOnlyError, load_numpy, load_tensor
 
 
 def register(sub) -> None:

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+from .. import layout
 from . import size_text
 
 
@@ -32,10 +33,8 @@ def register(sub) -> None:
 
 
 def status_dir(output: str) -> str:
-    output = os.path.abspath(output)
-    if os.path.basename(output) != "atb_dump_data":
-        output = os.path.join(output, "atb_dump_data")
-    return os.path.join(output, "status")
+    """The folder of the status files of OUTPUT (the --output folder or its atb_dump_data)."""
+    return os.path.join(layout.dump_root(output), layout.STATUS_DIR)
 
 
 def read_statuses(output: str) -> list[dict]:
@@ -47,7 +46,8 @@ def read_statuses(output: str) -> list[dict]:
     except FileNotFoundError:
         return []
     for name in names:
-        if not name.endswith(".json") or name.startswith("."):
+        devpid = layout.parse_status_file(name)
+        if devpid is None:
             continue
         try:
             with open(os.path.join(folder, name)) as f:
@@ -56,7 +56,7 @@ def read_statuses(output: str) -> list[dict]:
             continue
         if not isinstance(doc, dict):
             continue
-        doc["name"] = name[:-5]
+        doc["name"] = devpid
         doc["alive"] = not doc.get("exited") and _alive(doc.get("pid"), doc.get("proc_start"))
         docs.append(doc)
     return docs

@@ -1,7 +1,10 @@
-"""Reading dumps back: one `.bin` file as a tensor, references resolved (SPEC §5).
+"""Reading one `.bin` file back as a tensor, references resolved (SPEC §5).
 
-`load_tensor` gives the tensor in its own dtype; `load_numpy` gives what numpy can hold (bf16 and
-the fp8 dtypes widened to float32, as msprobe's `parse -t npy` does), for the analysis tools.
+`binfile` parses and checks a file's header; this module follows a reference file to the file
+holding its bytes (a path relative to the round folder, found with `layout.round_dir_of`) and
+turns the bytes into an array. `load_tensor` gives the tensor in its own dtype (torch is imported
+only then); `load_numpy` gives what numpy can hold (bf16 and the fp8 dtypes widened to float32,
+as msprobe's `parse -t npy` does), for the analysis tools.
 """
 from __future__ import annotations
 
@@ -9,27 +12,13 @@ import os
 
 import numpy as np
 
-from ..binfile import BinFormatError, BinHeader, read_header, read_payload
-from ..statcsv import FILE_NAME as CSV_FILE
+from .binfile import BinFormatError, BinHeader, read_header, read_payload
+from .layout import round_dir_of
 
 
 class HeaderOnlyError(BinFormatError):
     """A header-only file (filter_level 2 kernels): its statistics are in statistic.csv, its
     bytes were never written."""
-
-
-def round_dir_of(path: str) -> str | None:
-    """The round folder (`.../data/<dev>_<pid>/<round>`) holding `path`, if it is in one."""
-    d = os.path.dirname(os.path.abspath(path))
-    while True:
-        parent = os.path.dirname(d)
-        if parent == d:
-            return None
-        if os.path.basename(d).isdigit() and os.path.isfile(os.path.join(d, CSV_FILE)):
-            return d
-        if os.path.basename(d).isdigit() and os.path.basename(os.path.dirname(parent)) == "data":
-            return d
-        d = parent
 
 
 def resolve(path: str, header: BinHeader | None = None, depth: int = 0) -> tuple[str, BinHeader]:
