@@ -181,7 +181,8 @@ class Engine:
         self._model_counts: dict[str, int] = {}
         self._unmatched_warned: set = set()
         self._compile_said = False
-        self._original = None
+        self._original = None   # the __call__ the current (or last) wrapper wraps
+        self._wrapper = None    # the installed wrapper; None while the probe sleeps
         self._lock = threading.Lock()
         self.active_rounds = 0
         self._sleep_requested = False
@@ -191,7 +192,7 @@ class Engine:
     def install(self) -> None:
         with self._lock:
             self._sleep_requested = False
-            if self._original is not None:
+            if self._wrapper is not None:
                 return
             original = nn.Module.__call__
             engine, tls = self, self.tls
@@ -203,10 +204,17 @@ class Engine:
                     if top.passthrough:
                         return original(module, *args, **kwargs)
                     return engine.child_call(top, module, args, kwargs)
+                if engine._wrapper is not __call__:
+                    # Uninstalled while another tool's wrapper sat above this one, so it could
+                    # not be taken out of the chain: pass through, and step out as soon as
+                    # nothing wraps it any more.
+                    if nn.Module.__call__ is __call__:
+                        nn.Module.__call__ = original
+                    return original(module, *args, **kwargs)
                 return engine.root_call(module, args, kwargs)
 
             __call__.__atb_probe__ = True
-            self._original = original
+            self._original, self._wrapper = original, __call__
             nn.Module.__call__ = __call__
 
     def close(self) -> None:
@@ -219,7 +227,7 @@ class Engine:
         """Put the original `__call__` back, at once when no round is running, else after the
         last running round ends (a round is never cut in two)."""
         with self._lock:
-            if self._original is None:
+            if self._wrapper is None:
                 return
             if self.active_rounds and not force:
                 self._sleep_requested = True
@@ -227,10 +235,11 @@ class Engine:
             self._restore()
 
     def _restore(self) -> None:
-        """(Holding `_lock`.) Put the original `__call__` back."""
-        if getattr(nn.Module.__call__, "__atb_probe__", False):
+        """(Holding `_lock`.) Take the wrapper out: put back what it wrapped when it is on top;
+        under another tool's wrapper it stays in the chain, passing calls through."""
+        if nn.Module.__call__ is self._wrapper:
             nn.Module.__call__ = self._original
-        self._original = None
+        self._wrapper = None
         self._sleep_requested = False
 
     def after_fork(self) -> None:
@@ -242,6 +251,7 @@ class Engine:
 
     @property
     def original_call(self):
+        """What the wrapper wraps: calls of a round that outlives an uninstall end there too."""
         return self._original or nn.Module.__call__
 
     def info(self, module) -> ModuleInfo:
