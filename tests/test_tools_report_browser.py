@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
 import subprocess
-import zlib
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from atb_probe.tools.compare import compare_dumps, write_outputs
 
@@ -38,58 +37,8 @@ def screenshot(html: str, tmp_path) -> np.ndarray:
          f"--window-size={WIDTH},{HEIGHT}", f"file://{html}"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)})
     assert png.is_file(), run.stderr[-2000:]
-    return decode_png(png.read_bytes())
-
-
-def decode_png(data: bytes) -> np.ndarray:
-    """An 8-bit RGB or RGBA PNG as an array of its RGB values (the filters of RFC 2083)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, header = 8, b"", None
-    while pos < len(data):
-        (n,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", data[pos + 8:pos + 8 + n])
-        elif kind == b"IDAT":
-            idat += data[pos + 8:pos + 8 + n]
-        pos += 12 + n
-    width, height, depth, color = header[:4]
-    assert depth == 8 and color in (2, 6)
-    bpp = 3 if color == 2 else 4
-    raw = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(height, width * bpp + 1)
-    out = np.zeros((height, width * bpp), np.uint8)
-    prev = np.zeros(width * bpp, np.int32)
-    for y in range(height):
-        kind, line = raw[y, 0], raw[y, 1:].astype(np.int32)
-        if kind == 1:       # Sub: a running sum along the row, per channel
-            row = np.cumsum(line.reshape(width, bpp), axis=0).reshape(-1) & 0xFF
-        elif kind == 2:     # Up
-            row = (line + prev) & 0xFF
-        elif kind in (3, 4):
-            row = _sequential(line, prev, bpp, kind)
-        else:
-            row = line
-        out[y] = row
-        prev = row.astype(np.int32)
-    return out.reshape(height, width, bpp)[:, :, :3]
-
-
-def _sequential(line, prev, bpp: int, kind: int) -> np.ndarray:
-    """Average and Paeth depend on the pixel to the left: decoded byte by byte."""
-    row = [0] * len(line)
-    up = prev.tolist()
-    line = line.tolist()
-    for i in range(len(line)):
-        a = row[i - bpp] if i >= bpp else 0
-        b = up[i]
-        if kind == 3:
-            row[i] = (line[i] + (a + b) // 2) & 0xFF
-            continue
-        c = up[i - bpp] if i >= bpp else 0
-        p = a + b - c
-        pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
-        pred = a if pa <= pb and pa <= pc else (b if pb <= pc else c)
-        row[i] = (line[i] + pred) & 0xFF
-    return np.array(row, np.int32)
+    with Image.open(png) as image:
+        return np.asarray(image.convert("RGB"))
 
 
 def pixels(image: np.ndarray, rgb: tuple) -> np.ndarray:
