@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
+from hypothesis import given, strategies as st
 from torch import nn
 
 from conftest import config, dump, generate, only_proc, read_csv, tiny_llama
@@ -252,3 +252,19 @@ def test_model_file_lists_its_rounds(tmp_path):
     files = _model_files(root)
     assert files["LlamaForCausalLM_Prefill"]["rounds"] == [[0, 0]]
     assert files["LlamaForCausalLM_Decoder"]["rounds"] == [[1, 1], [3, 5]]
+
+
+@given(st.lists(st.integers(0, 60), unique=True, max_size=40))
+def test_model_file_rounds_are_sorted_ranges_whatever_order_rounds_end_in(order):
+    """Threads serving one model end their rounds in any order."""
+    from atb_probe.capture.recorder import ModelFile
+    file = ModelFile({"rounds": []})
+    for index in order:
+        file.add_round(index)
+    expected: list[list[int]] = []
+    for index in sorted(order):
+        if expected and expected[-1][1] + 1 == index:
+            expected[-1][1] = index
+        else:
+            expected.append([index, index])
+    assert file.doc["rounds"] == expected

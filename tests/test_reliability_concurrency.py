@@ -177,7 +177,13 @@ def test_eight_threads_dumping_statistics_with_save_child_match_a_dump_made_alon
     proc = next((root / "data").iterdir())
     got = sorted(round_signature(r) for r in proc.iterdir())
     assert got == sorted(expected * per_thread)
-    # The structure files, written once by whichever thread got there first, are the same.
-    assert contents(root / "info") == contents(tmp_path / "alone/atb_dump_data/info")
+    # The layer files, written once by whichever thread got there first, are the same; so is
+    # the model file, but for the rounds it describes: all of them, from every thread.
+    assert contents(root / "info" / "layer") == \
+        contents(tmp_path / "alone/atb_dump_data/info/layer")
+    alone_model, threads_model = (next((r / "info" / "model").rglob("*.json"))
+                                  for r in (tmp_path / "alone/atb_dump_data", root))
+    expected_doc = dict(json.loads(alone_model.read_text()), rounds=[[0, len(got) - 1]])
+    assert json.loads(threads_model.read_text()) == expected_doc
     status = json.loads(next((root / "status").iterdir()).read_text())
     assert status["last_error"] is None and status["rounds_dumped"] == len(inputs) * per_thread

@@ -6,6 +6,7 @@ tensor's device and a private host copy of the bytes. Encoding and disk I/O happ
 """
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 import weakref
@@ -323,14 +324,28 @@ class ModelFile:
         self.written_at = 0.0
 
     def add_round(self, index: int) -> bool:
-        """Record round `index`; whether the file should be written now."""
-        ranges = self.doc["rounds"]
-        if ranges and ranges[-1][1] + 1 == index:
-            ranges[-1][1] = index
-            self.dirty = True
-            return time.monotonic() - self.written_at >= MODEL_FILE_SECONDS
-        ranges.append([index, index])
-        return True
+        """Record round `index` (rounds of threads serving one model end in any order); whether
+        the file should be written now."""
+        ranges = self.doc["rounds"]  # sorted, disjoint, never adjacent
+        i = bisect.bisect_left(ranges, [index, index])
+        before = ranges[i - 1] if i else None
+        after = ranges[i] if i < len(ranges) else None
+        if (before and index <= before[1]) or (after and after[0] == index):
+            return False
+        joins_before = before is not None and before[1] + 1 == index
+        joins_after = after is not None and after[0] == index + 1
+        if joins_before and joins_after:
+            before[1] = after[1]
+            del ranges[i]
+        elif joins_before:
+            before[1] = index
+        elif joins_after:
+            after[0] = index
+        else:
+            ranges.insert(i, [index, index])
+            return True
+        self.dirty = True
+        return time.monotonic() - self.written_at >= MODEL_FILE_SECONDS
 
 
 MODEL_FILE_SECONDS = 1.0
