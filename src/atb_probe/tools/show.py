@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from .. import layout
 from ..statcsv import COLUMNS
 from .align import OpNode, build_tree as op_tree
 from . import extras, size_text
@@ -80,8 +81,8 @@ def module_paths(root: str, proc: str) -> dict[int, tuple[str, dict[str, str]]]:
     """{round: (model name, {op ID: module path})} from a process's structure files (SPEC §5):
     each model file names its rounds; its layer files (in a folder of the model's name for every
     model but the first) give the paths of the ops below the layer-level ones."""
-    model_dir = os.path.join(root, "info", "model", proc)
-    layer_dir = os.path.join(root, "info", "layer", proc)
+    model_dir = os.path.join(root, layout.model_info_dir(proc))
+    layer_dir = os.path.join(root, layout.layer_info_dir(proc))
     out: dict[int, tuple[str, dict[str, str]]] = {}
     layer_paths: dict[str, dict[str, str]] = {}
     for doc in _json_files(model_dir):
@@ -89,7 +90,7 @@ def module_paths(root: str, proc: str) -> dict[int, tuple[str, dict[str, str]]]:
         if not isinstance(model, str):
             continue
         if model not in layer_paths:
-            folder = os.path.join(layer_dir, model)
+            folder = os.path.join(root, layout.layer_info_dir(proc, model))
             paths = layer_paths[model] = {}
             for layer in _json_files(folder if os.path.isdir(folder) else layer_dir):
                 _collect_paths(layer, paths)
