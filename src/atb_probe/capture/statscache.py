@@ -1,4 +1,12 @@
-"""Statistics computed once per state of a tensor's memory, not once per appearance.
+"""Statistics computed once per state of a tensor's memory, not once per appearance, and in
+batches: a lookup that misses queues the tensor and returns a pending `Stat` cell, and
+`resolve` computes everything queued in one call (statistics.py).
+
+Each layer-level op execution has its own `Queue`. The recorder resolves it at the end of the
+execution when it sees the kernels inside (and before any kernel there that writes to its
+arguments, so what is queued still holds the values of the moment it was seen), and at once
+otherwise. Queued tensors are kept alive until then; `Queue.nbytes` lets the recorder bound
+that.
 
 With `save_child` the same values show up again and again: a kernel's output is the next
 kernel's input, a view (`aten.view`, `aten.t`, `aten.unsqueeze`...) holds the values of its
@@ -28,11 +36,13 @@ counter).
 """
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
 
-from .tensors import is_dense, statistics, storage_key
+from .statistics import EMPTY, Stat, compute, is_dense
+from .tensors import storage_key
 
 MAX_ENTRIES = 4096
 
@@ -63,80 +73,109 @@ def _version(t: torch.Tensor):
         return None
 
 
+class Queue:
+    """Tensors of one thread's layer-level op execution whose statistics are pending, and
+    their cells (see the module docstring)."""
+
+    __slots__ = ("tensors", "cells", "nbytes")
+
+    def __init__(self):
+        self.tensors: list = []
+        self.cells: list = []
+        self.nbytes = 0       # bytes of the tensors kept alive for it
+
+    def resolve(self) -> None:
+        """Compute every queued statistic (one batch) and let go of the tensors."""
+        if self.tensors:
+            tensors, cells = self.tensors, self.cells
+            self.tensors, self.cells, self.nbytes = [], [], 0
+            for cell in cells:
+                cell.batch = None
+            compute(tensors, cells)
+
+
 class StatsCache:
-    """`statistics` of a side of an op, reusing earlier results (see the module docstring)."""
+    """`statistics` of a side of an op, reusing earlier results (see the module docstring).
+
+    One cache serves every model thread. `_lock` guards the changes to `_entries` and `_limit`
+    (a store, the eviction that walks the entries, a clear): two threads evicting at once would
+    delete the same key, or change the dict while the other walks it. Lookups take no lock: a
+    dict read is atomic, and an entry is checked against its live owner before it is used."""
 
     def __init__(self):
         self._entries: dict = {}
         self._limit = MAX_ENTRIES
+        self._lock = threading.Lock()
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._limit = MAX_ENTRIES
+        with self._lock:
+            self._entries.clear()
+            self._limit = MAX_ENTRIES
 
-    def side(self, tensors: list, kernel_output: bool = False, inputs_seen=None,
+    def side(self, queue: Queue, tensors: list, kernel_output: bool = False, inputs_seen=None,
              remember_inputs: bool = False):
-        """Statistics of `tensors`, in order.
+        """`Stat` cells of `tensors`, in order: earlier results, or new cells pending in
+        `queue` (a cell pending in another thread's queue is not used: it may never be
+        computed before this thread's rows are written).
 
         `kernel_output`: the tensors are a kernel's outputs, inside the dispatch; then
         `inputs_seen` is what the same kernel's inputs left (see `remember_inputs`), or None
         when the kernel writes to its arguments. `remember_inputs`: also return what these
-        tensors leave for the outputs of the same kernel: ({memory key: statistics}, storage
-        addresses). Returns (statistics, that or None)."""
+        tensors leave for the outputs of the same kernel: ({memory key: cell}, storage
+        addresses). Returns (cells, that or None)."""
         entries = self._entries
-        n = len(tensors)
-        results, keys, missing = [None] * n, [None] * n, []
-        for i, t in enumerate(tensors):
+        cells = []
+        keys = [] if remember_inputs else None
+        shared = inputs_seen[1] if kernel_output and inputs_seen is not None else ()
+        keep = not kernel_output or inputs_seen is not None  # not after an in-place kernel
+        for t in tensors:
             key = memory_key(t)
-            keys[i] = key
-            if key is None:
-                missing.append(i)
-                continue
-            if kernel_output:
-                hit = inputs_seen[0].get(key) if inputs_seen else None
-                if hit is not None:
-                    results[i] = hit
+            if remember_inputs:
+                keys.append(key)
+            if key is not None:
+                if kernel_output:
+                    hit = inputs_seen[0].get(key) if inputs_seen else None
                 else:
-                    missing.append(i)
-                continue
-            version = _version(t)
-            entry = entries.get(key + (version,)) if version is not None else None
-            if entry is not None and entry[0]() is _owner(t):
-                results[i] = entry[1]
-            else:
-                missing.append(i)
-        if missing:
-            computed = statistics([tensors[i] for i in missing])
-            shared = inputs_seen[1] if kernel_output and inputs_seen is not None else ()
-            keep = not kernel_output or inputs_seen is not None  # not after an in-place kernel
-            for i, value in zip(missing, computed):
-                results[i] = value
-                key = keys[i]
-                if value is None or key is None or not keep:
+                    version = _version(t)
+                    entry = entries.get(key + (version,)) if version is not None else None
+                    hit = entry[1] if entry is not None and entry[0]() is _owner(t) else None
+                if hit is not None and (hit.batch is None or hit.batch is queue
+                                        or type(hit.batch) is not Queue):
+                    cells.append(hit)
                     continue
-                t = tensors[i]
-                if kernel_output and key[2] in shared:
-                    continue  # memory shared with an input: a view's counter is not its own yet
-                version = _version(t)
-                if version is not None:
-                    self._store(key + (version,), _owner(t), value)
+            n = t.numel()
+            if not n:
+                cells.append(EMPTY)
+                continue
+            cell = Stat(None, queue)
+            queue.tensors.append(t)
+            queue.cells.append(cell)
+            queue.nbytes += n * t.element_size()
+            cells.append(cell)
+            if key is None or not keep or (kernel_output and key[2] in shared):
+                continue  # memory shared with an input: a view's counter is not its own yet
+            version = _version(t)
+            if version is not None:
+                self._store(key + (version,), _owner(t), cell)
         remembered = None
         if remember_inputs:
-            remembered = ({k: v for k, v in zip(keys, results) if k is not None and v is not None},
+            remembered = ({k: c for k, c in zip(keys, cells) if k is not None and c is not EMPTY},
                           {k[2] for k in keys if k is not None})
-        return results, remembered
+        return cells, remembered
 
     def _store(self, key, owner, value) -> None:
-        entries = self._entries
-        if len(entries) >= self._limit:
-            # Drop the entries whose tensors died (most activations); clear if that is not
-            # enough, and let the limit follow what stays alive (weights, caches).
-            for k in [k for k, (ref, _) in entries.items() if ref() is None]:
-                del entries[k]
-            if len(entries) >= self._limit * 3 // 4:
-                entries.clear()
-            self._limit = max(MAX_ENTRIES, 2 * len(entries))
         try:
-            entries[key] = (weakref.ref(owner), value)
+            entry = (weakref.ref(owner), value)
         except TypeError:  # not weak-referenceable
-            pass
+            return
+        with self._lock:
+            entries = self._entries
+            if len(entries) >= self._limit:
+                # Drop the entries whose tensors died (most activations); clear if that is not
+                # enough, and let the limit follow what stays alive (weights, caches).
+                for k in [k for k, (ref, _) in entries.items() if ref() is None]:
+                    del entries[k]
+                if len(entries) >= self._limit * 3 // 4:
+                    entries.clear()
+                self._limit = max(MAX_ENTRIES, 2 * len(entries))
+            entries[key] = entry

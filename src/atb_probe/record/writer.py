@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .. import log
-from ..statcsv import format_records
+from ..statcsv import SideRows, format_sides
 from .safefs import SafeTree, UnsafePathError
 
 GIB = 1024 ** 3
@@ -66,7 +66,7 @@ class _Rows:
 
     def __init__(self, header: str, now: float, file_bytes: int):
         self.header = header
-        self.parts: list = []  # csv bytes, or lists of records (statcsv.format_records)
+        self.parts: list = []  # csv bytes, or lists of statcsv.SideRows
         self.nbytes = 0        # bytes of rows waiting (records: estimated)
         self.accounted = 0     # their share of bytes_queued
         self.file_bytes = file_bytes  # bytes this writer has appended to the file so far
@@ -111,10 +111,11 @@ class Writer:
         data = text.encode("utf-8")
         self._put_rows(rel_dir, name, data, header, len(data) + _JOB_OVERHEAD)
 
-    def put_records(self, rel_dir: str, name: str, records: list, header: str) -> None:
-        """Queue statistic.csv rows as records (see `statcsv.format_records`): they are
-        formatted on the writer thread, when their batch is written."""
-        self._put_rows(rel_dir, name, records, header, _RECORD_BYTES * len(records))
+    def put_records(self, rel_dir: str, name: str, sides: list, header: str) -> None:
+        """Queue statistic.csv rows as `statcsv.SideRows` records: they are formatted on the
+        writer thread, when their batch is written."""
+        self._put_rows(rel_dir, name, sides, header,
+                       _RECORD_BYTES * sum(len(side.rows) for side in sides))
 
     def put_json(self, rel_dir: str, name: str, obj) -> None:
         """Queue a JSON document; it is serialised on the writer thread."""
@@ -352,14 +353,20 @@ class Writer:
         if isinstance(part, bytes):
             return self._unname_missing(part) if self._missing else part
         if self._missing:
-            part = [self._unname_record(r) for r in part]
-        return format_records(part).encode("utf-8")
+            part = [self._unname_side(side) for side in part]
+        return format_sides(part).encode("utf-8")
 
-    def _unname_record(self, record: tuple) -> tuple:
-        if record[-1] in self._missing:
-            self._missing.discard(record[-1])
-            return record[:-1] + (_NA,)
-        return record
+    def _unname_side(self, side: SideRows) -> SideRows:
+        missing = self._missing
+        if not any(row[4] in missing for row in side.rows):
+            return side
+        rows = []
+        for row in side.rows:
+            if row[4] in missing:
+                missing.discard(row[4])
+                row = row[:4] + (_NA,)
+            rows.append(row)
+        return SideRows(side.head, rows)
 
     def _release(self, rows: _Rows) -> None:
         with self._cond:
