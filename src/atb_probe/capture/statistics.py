@@ -97,8 +97,12 @@ def _host(arrays: list, cells: list) -> None:
     """(Inside `np.errstate`.) Statistics of flat float32/float64 numpy arrays."""
     n = len(arrays)
     highs, lows = [None] * n, [None] * n
-    for dtype in (np.float32, np.float64):
-        small = [i for i, a in enumerate(arrays) if a.dtype == dtype and a.size <= SMALL]
+    groups: dict = {}
+    if n >= 3:
+        for i, a in enumerate(arrays):
+            if a.size <= SMALL:
+                groups.setdefault(a.dtype.char, []).append(i)
+    for small in groups.values():
         if len(small) < 3:
             continue
         parts = [arrays[i] for i in small]

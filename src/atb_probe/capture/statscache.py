@@ -105,11 +105,16 @@ class StatsCache:
     def __init__(self):
         self._entries: dict = {}
         self._limit = MAX_ENTRIES
+        # id(tensor) -> (weak reference to it, its version, cell): the same tensor object at
+        # the same version (the next kernel's input is the last one's output) is found without
+        # computing its memory key.
+        self._seen: dict = {}
         self._lock = threading.Lock()
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._seen.clear()
             self._limit = MAX_ENTRIES
 
     def side(self, queue: Queue, tensors: list, kernel_output: bool = False, inputs_seen=None,
@@ -121,47 +126,96 @@ class StatsCache:
         `kernel_output`: the tensors are a kernel's outputs, inside the dispatch; then
         `inputs_seen` is what the same kernel's inputs left (see `remember_inputs`), or None
         when the kernel writes to its arguments. `remember_inputs`: also return what these
-        tensors leave for the outputs of the same kernel: ({memory key: cell}, storage
-        addresses). Returns (cells, that or None)."""
-        entries = self._entries
+        tensors leave for the outputs of the same kernel. Returns (cells, that or None)."""
+        if kernel_output:
+            cells = [self._output(t, queue, inputs_seen) for t in tensors]
+            return cells, None
         cells = []
-        keys = [] if remember_inputs else None
-        shared = inputs_seen[1] if kernel_output and inputs_seen is not None else ()
-        keep = not kernel_output or inputs_seen is not None  # not after an in-place kernel
         for t in tensors:
-            key = memory_key(t)
-            if remember_inputs:
-                keys.append(key)
-            if key is not None:
-                if kernel_output:
-                    hit = inputs_seen[0].get(key) if inputs_seen else None
-                else:
-                    version = _version(t)
-                    entry = entries.get(key + (version,)) if version is not None else None
-                    hit = entry[1] if entry is not None and entry[0]() is _owner(t) else None
-                if hit is not None and (hit.batch is None or hit.batch is queue
-                                        or type(hit.batch) is not Queue):
-                    cells.append(hit)
-                    continue
-            n = t.numel()
-            if not n:
-                cells.append(EMPTY)
-                continue
-            cell = Stat(None, queue)
-            queue.tensors.append(t)
-            queue.cells.append(cell)
-            queue.nbytes += n * t.element_size()
+            cell = self._lookup(t, queue)
+            if cell is None:
+                cell = self._new(t, queue)
+                if cell is not EMPTY:
+                    self._keep(t, cell, memory_key(t))
             cells.append(cell)
-            if key is None or not keep or (kernel_output and key[2] in shared):
-                continue  # memory shared with an input: a view's counter is not its own yet
-            version = _version(t)
-            if version is not None:
-                self._store(key + (version,), _owner(t), cell)
-        remembered = None
-        if remember_inputs:
-            remembered = ({k: c for k, c in zip(keys, cells) if k is not None and c is not EMPTY},
-                          {k[2] for k in keys if k is not None})
-        return cells, remembered
+        return cells, ((tensors, cells) if remember_inputs else None)
+
+    def _lookup(self, t, queue: Queue):
+        """The cell of `t`'s values as they are, if known and usable here."""
+        version = _version(t)
+        if version is None:
+            return None
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[1] == version and seen[0]() is t:
+            cell = seen[2]
+        else:
+            key = memory_key(t)
+            entry = self._entries.get(key + (version,)) if key is not None else None
+            if entry is None or entry[0]() is not _owner(t):
+                return None
+            cell = entry[1]
+            self._remember(t, version, cell)
+        batch = cell.batch
+        if batch is not None and batch is not queue and type(batch) is Queue:
+            return None
+        return cell
+
+    def _output(self, t, queue: Queue, inputs_seen):
+        """The cell of a kernel output: that of an input over the same memory (a view
+        kernel), else a new one, kept for later unless it shares an input's storage."""
+        key = memory_key(t)
+        if inputs_seen is None or key is None:  # an in-place kernel, or no key: not kept
+            return self._new(t, queue)
+        shared = False
+        for it, cell in zip(*inputs_seen):
+            try:
+                address = it.untyped_storage().data_ptr()
+            except Exception:  # subclasses, tensors without storage
+                continue
+            if address == key[2]:
+                if cell is not EMPTY and memory_key(it) == key:
+                    return cell
+                shared = True
+        cell = self._new(t, queue)
+        if not shared and cell is not EMPTY:
+            # Fresh memory: its version counter is its own for good. (A view's counter is
+            # not linked to its base's yet, inside the dispatch.)
+            self._keep(t, cell, key)
+        return cell
+
+    @staticmethod
+    def _new(t, queue: Queue):
+        """A new cell for `t`, pending in `queue` (EMPTY for an empty tensor)."""
+        n = t.numel()
+        if not n:
+            return EMPTY
+        cell = Stat(None, queue)
+        queue.tensors.append(t)
+        queue.cells.append(cell)
+        queue.nbytes += n * t.element_size()
+        return cell
+
+    def _keep(self, t, cell, key) -> None:
+        """Remember `cell` for `t`'s memory at its present version."""
+        version = _version(t)
+        if version is None or key is None:
+            return
+        self._store(key + (version,), _owner(t), cell)
+        self._remember(t, version, cell)
+
+    def _remember(self, t, version, cell) -> None:
+        try:
+            entry = (weakref.ref(t), version, cell)
+        except TypeError:  # not weak-referenceable
+            return
+        with self._lock:
+            seen = self._seen
+            if len(seen) >= 2 * MAX_ENTRIES:
+                for k in [k for k, e in seen.items() if e[0]() is None]:
+                    del seen[k]
+                if len(seen) >= MAX_ENTRIES:
+                    seen.clear()
+            seen[id(t)] = entry
 
     def _store(self, key, owner, value) -> None:
         try:
