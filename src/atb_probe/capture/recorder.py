@@ -223,10 +223,10 @@ class Recorder:
                     # This alias keeps the storage alive now, maybe after the first one died.
                     layer.written[key] = (weakref.ref(t), target)
                 else:
-                    data = host_bytes(t)
+                    data, ready = host_bytes(t)
                     probe.writer.put_file(op_dir, fname,
                                           [encode_header(dt.code, dims, data.nbytes), data],
-                                          data.nbytes)
+                                          data.nbytes, ready)
                     if key is not None and layer is not None:
                         layer.written[key] = (weakref.ref(t), in_round)
             rows.append((index, dt.csv_name, dims, st, f"{probe.tree.root}/{op_dir}/{fname}"))

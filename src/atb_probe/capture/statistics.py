@@ -74,8 +74,13 @@ def compute(tensors: list, cells: list) -> None:
         if arrays:
             _host(arrays, host_cells)
     for items in device.values():
-        DeviceBatch([device_row(x) for x, _ in items], [c for _, c in items],
-                    [x.numel() for x, _ in items])
+        device_batch([x for x, _ in items], [c for _, c in items])
+
+
+def device_batch(tensors: list, cells: list) -> None:
+    """Statistics of prepared tensors of one device, computed there: the cells fill when the
+    writer asks for them (see `DeviceBatch`)."""
+    DeviceBatch([device_row(x) for x in tensors], cells, [x.numel() for x in tensors])
 
 
 def prepare(t: torch.Tensor) -> torch.Tensor:
@@ -150,10 +155,10 @@ class DeviceBatch:
 
     def __init__(self, rows: list, cells: list, counts: list):
         stacked = torch.stack(rows)
-        self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-        self.host.copy_(stacked, non_blocking=True)
-        self.event = getattr(torch, stacked.device.type).Event()
-        self.event.record()
+        if stacked.is_cpu:  # CPU tensors sent this way (tests): nothing to wait for
+            self.host, self.event = stacked, None
+        else:
+            self.host, self.event = to_host(stacked)
         self.cells, self.counts = cells, counts
         self._lock = threading.Lock()
         for cell in cells:
@@ -164,11 +169,23 @@ class DeviceBatch:
         with self._lock:
             if self.cells is None:
                 return
-            self.event.synchronize()
+            if self.event is not None:
+                self.event.synchronize()
             for cell, values, n in zip(self.cells, self.host.tolist(), self.counts):
                 cell.value = finish_row(values, n)
                 cell.batch = None
             self.cells = self.host = self.event = None
+
+
+def to_host(x: torch.Tensor):
+    """A copy of device tensor `x` in pinned host memory, queued on the current stream without
+    waiting, and the event recorded after it: (host tensor, event). Read the host tensor only
+    after `event.synchronize()`."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    event = getattr(torch, x.device.type).Event()
+    event.record()
+    return host, event
 
 
 def _overflowed(high: float, low: float, total: float, squares: float) -> bool:

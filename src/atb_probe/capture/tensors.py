@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..dtypes import BY_TORCH_NAME, DType
+from .statistics import to_host
 
 _BY_DTYPE: dict = {getattr(torch, d.torch_name): d for d in BY_TORCH_NAME.values()
                    if hasattr(torch, d.torch_name)}
@@ -105,7 +106,9 @@ def _plain(value):
 
 
 def host_bytes(t: torch.Tensor):
-    """A private host copy of `t`'s bytes, C-contiguous, as a flat uint8 numpy array.
+    """A private host copy of `t`'s bytes, C-contiguous, as a flat uint8 numpy array, and what
+    to wait for before reading it: None, or for a tensor on an accelerator the event after its
+    copy to pinned memory (queued without blocking the model thread).
 
     Always a copy: the model may change the tensor in place after this returns."""
     x = t.detach()
@@ -113,15 +116,14 @@ def host_bytes(t: torch.Tensor):
         x = x.resolve_conj()
     if x.is_neg():
         x = x.resolve_neg()
+    ready = None
     if x.device.type != "cpu":
-        x = x.to("cpu")
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x, ready = to_host(x if x.is_contiguous() else x.contiguous())
     elif x.is_contiguous():
         x = x.clone()
     else:
         x = x.contiguous()
-    return x.reshape(-1).view(torch.uint8).numpy()
+    return x.reshape(-1).view(torch.uint8).numpy(), ready
 
 
 def storage_key(t: torch.Tensor) -> tuple:

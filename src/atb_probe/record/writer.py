@@ -102,9 +102,12 @@ class Writer:
 
     # -- producer side (model threads) --------------------------------------------------------
 
-    def put_file(self, rel_dir: str, name: str, chunks: list, payload_bytes: int) -> None:
-        """Queue a file made of `chunks` (header bytes, then buffers the writer may keep)."""
-        self._put(("file", rel_dir, name, chunks), payload_bytes + _JOB_OVERHEAD)
+    def put_file(self, rel_dir: str, name: str, chunks: list, payload_bytes: int,
+                 ready=None) -> None:
+        """Queue a file made of `chunks` (header bytes, then buffers the writer may keep).
+        `ready`: None, or an event (`torch.cuda.Event`...) to wait for before reading the
+        buffers: they are being copied from an accelerator."""
+        self._put(("file", rel_dir, name, chunks, ready), payload_bytes + _JOB_OVERHEAD)
 
     def put_rows(self, rel_dir: str, name: str, text: str, header: str) -> None:
         """Queue complete csv lines for `rel_dir/name`; a new file starts with `header`."""
@@ -270,7 +273,9 @@ class Writer:
         kind, rel_dir, name = job[:3]
         try:
             if kind == "file":
-                chunks = job[3]
+                chunks, ready = job[3], job[4]
+                if ready is not None:
+                    ready.synchronize()
                 nbytes = sum(memoryview(c).nbytes for c in chunks)
                 if not self._has_room(rel_dir, nbytes, name):
                     self._missing.add(self.tree.path(f"{rel_dir}/{name}"))
