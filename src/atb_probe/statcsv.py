@@ -73,5 +73,7 @@ def format_sides(sides: Iterable[SideRows]) -> str:
                 stats = numbers[id(stat)] = _NA_STATS if st is None else \
                     f"{format_number(st[0])},{format_number(st[1])}," \
                     f"{format_number(st[2])},{format_number(st[3])}"
-            lines.append(f"{head},{_cell(index)},{dtype},nd,{shape},{stats},{_cell(path)}\n")
+            if not index.isdigit():
+                index = _cell(index)
+            lines.append(f"{head},{index},{dtype},nd,{shape},{stats},{_cell(path)}\n")
     return "".join(lines)

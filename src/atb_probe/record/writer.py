@@ -118,7 +118,7 @@ class Writer:
         """Queue statistic.csv rows as `statcsv.SideRows` records: they are formatted on the
         writer thread, when their batch is written."""
         self._put_rows(rel_dir, name, sides, header,
-                       _RECORD_BYTES * sum(len(side.rows) for side in sides))
+                       _RECORD_BYTES * sum([len(side.rows) for side in sides]))
 
     def put_json(self, rel_dir: str, name: str, obj) -> None:
         """Queue a JSON document; it is serialised on the writer thread."""
