@@ -1,8 +1,14 @@
 """From an op's tensors to records: `.bin` files, statistic.csv rows, op_param.json and the
 structure files of SPEC §5, all handed to the background writer.
 
-Everything here runs on the model thread, so it does only what cannot wait: statistics on the
-tensor's device and a private host copy of the bytes. Encoding and disk I/O happen on the writer.
+Everything here runs on the model thread, so it does only what cannot wait. Per op side it
+takes the IDs, looks the tensors' statistics up (statscache) and appends one `SideRows` record
+to the layer-level op execution's; statistics that are not known yet are queued and computed in
+one batch when the execution ends, or at once where the probe does not see the kernels that
+could change the tensors before then. Tensor files need a private copy of the bytes at once
+(on an accelerator: a copy to pinned memory that the writer waits for). The rows are handed to
+the writer at the end of each layer-level op execution; formatting, encoding and disk I/O
+happen there.
 """
 from __future__ import annotations
 
