@@ -98,6 +98,7 @@ class Writer:
         self._row_file_bytes: dict[tuple[str, str], int] = {}
         self._missing: set[str] = set()   # absolute paths of files skipped, until their row
         self._urgent = 0                  # threads waiting for the disk: write rows now
+        self._wakes_at = 0.0              # when the sleeping writer wakes on its own (inf: never)
         self._last_progress = time.monotonic()
 
     # -- producer side (model threads) --------------------------------------------------------
@@ -235,7 +236,9 @@ class Writer:
                         break
                     if wait is None and self._closed:
                         return
+                    self._wakes_at = float("inf") if wait is None else time.monotonic() + wait
                     self._cond.wait(wait)
+                    self._wakes_at = 0.0
                 self._busy = True
                 self._last_progress = time.monotonic()  # idle time is not a stall
             self.tree.progress = self._progress  # the tree may have been replaced (fork)
@@ -308,7 +311,8 @@ class Writer:
     def _batch(self, key: tuple[str, str], header: str, part, size: int) -> bool:
         """(Holding `_cond`.) Add rows (bytes or records) to the batch of file `key`; from here
         the batch accounts for their `size` queued bytes. True when the writer should look at
-        the batches now: a new one (its due time) or one big enough to write."""
+        the batches now: a new one due before the writer wakes anyway, or one big enough to
+        write."""
         rows = self._rows.get(key)
         new = rows is None
         if new:
@@ -320,7 +324,9 @@ class Writer:
         if len(self._rows) > MAX_ROW_FILES or rows.nbytes >= max(ROWS_BATCH, rows.file_bytes):
             rows.due = 0.0
             return True
-        return new
+        # A new batch wakes the writer only if it would sleep past the batch's due time: a
+        # wake-up costs the model thread a GIL hand-over, and rows come once per layer.
+        return new and rows.due < self._wakes_at
 
     def _write_rows(self) -> None:
         """Append every waiting row to its file (each file in one atomic step). Never raises:
