@@ -105,9 +105,10 @@ class StatsCache:
     def __init__(self):
         self._entries: dict = {}
         self._limit = MAX_ENTRIES
-        # id(tensor) -> (weak reference to it, its version, cell): the same tensor object at
-        # the same version (the next kernel's input is the last one's output) is found without
-        # computing its memory key.
+        # id(tensor) -> (weak reference to it, its version, cell, its data pointer): the same
+        # tensor object at the same version over the same memory (the next kernel's input is
+        # the last one's output) is found without computing its memory key. (`t.data = other`
+        # keeps the object and its version counter but not the pointer.)
         self._seen: dict = {}
         self._lock = threading.Lock()
 
@@ -146,7 +147,8 @@ class StatsCache:
         if version is None:
             return None
         seen = self._seen.get(id(t))
-        if seen is not None and seen[1] == version and seen[0]() is t:
+        if seen is not None and seen[1] == version and seen[0]() is t and \
+                seen[3] == t.data_ptr():
             cell = seen[2]
         else:
             key = memory_key(t)
@@ -205,8 +207,8 @@ class StatsCache:
 
     def _remember(self, t, version, cell) -> None:
         try:
-            entry = (weakref.ref(t), version, cell)
-        except TypeError:  # not weak-referenceable
+            entry = (weakref.ref(t), version, cell, t.data_ptr())
+        except (TypeError, RuntimeError):  # not weak-referenceable, no storage
             return
         with self._lock:
             seen = self._seen
