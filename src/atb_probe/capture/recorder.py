@@ -65,8 +65,11 @@ class Recorder:
     def module_outputs(self, rnd, frame, out, named: bool) -> None:
         if not (frame.dump or _collecting(frame)):
             return
-        items, params = [], {}
-        flatten(out, "", items, params, name_items=False)
+        if isinstance(out, torch.Tensor):
+            items = [("", out)]
+        else:
+            items = []
+            flatten(out, "", items, {}, name_items=False)
         frame.outputs = len(items)
         if frame.dump:
             labels = self.write_side(rnd, frame, "output", items, named, kernel=False)
@@ -120,8 +123,11 @@ class Recorder:
                                "args": params}
 
     def kernel_outputs(self, rnd, frame, out) -> None:
-        items = []
-        flatten(out, "", items, {}, name_items=False)
+        if isinstance(out, torch.Tensor):  # most kernels
+            items = [("", out)]
+        else:
+            items = []
+            flatten(out, "", items, {}, name_items=False)
         frame.outputs = len(items)
         if frame.dump:
             self.write_side(rnd, frame, "output", items, named=False, kernel=True)
@@ -162,9 +168,7 @@ class Recorder:
                 kept.append((i, label, t, dt))
                 tensors.append(t)
             else:
-                log.warn_once(f"skip-{type(t).__name__}-{getattr(t, 'dtype', '')}",
-                              f"cannot dump a {type(t).__name__} of dtype "
-                              f"{getattr(t, 'dtype', '?')} ({frame.full_name}); skipped")
+                _skipped(t, frame)
         layer = frame.layer
         if cfg.wants_statistics or (kernel and cfg.save_child and cfg.filter_level >= 2):
             queue = _queue(layer)
@@ -183,14 +187,15 @@ class Recorder:
             stats = [None] * len(kept)
         if cfg.wants_tensors:
             rows, labels = self._write_tensors(rnd, frame, side, kept, stats, named, kernel)
-        elif named:
-            labels = [f"{i}_{_safe_label(label)}" if label else str(i) for i, label, _, _ in kept]
-            rows = [(index, dt.csv_name, t.shape, st, NA)
-                    for (_, _, t, dt), st, index in zip(kept, stats, labels)]
         else:
-            labels = [_INDEX[i] if i < len(_INDEX) else str(i) for i, _, _, _ in kept]
-            rows = [(index, dt.csv_name, t.shape, st, NA)
-                    for (_, _, t, dt), st, index in zip(kept, stats, labels)]
+            rows, labels = [], []
+            for (i, label, t, dt), st in zip(kept, stats):
+                if named and label:
+                    index = f"{i}_{_safe_label(label)}"
+                else:
+                    index = _INDEX[i] if i < 64 else str(i)
+                labels.append(index)
+                rows.append((index, dt.csv_name, t.shape, st, NA))
         if rows:
             record = SideRows((self.probe.devpid, str(rnd.index), frame.full_name, frame.name,
                                frame.op_id, side), rows)
@@ -315,6 +320,12 @@ def _tensors_of(pairs, items: list) -> None:
                     break
         elif may_hold_tensor(value):
             flatten(value, name, items, {}, name_items=True)
+
+
+def _skipped(t, frame) -> None:
+    log.warn_once(f"skip-{type(t).__name__}-{getattr(t, 'dtype', '')}",
+                  f"cannot dump a {type(t).__name__} of dtype {getattr(t, 'dtype', '?')} "
+                  f"({frame.full_name}); skipped")
 
 
 def _queue(layer) -> Queue:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 _max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
+_isfinite = math.isfinite
 SMALL = 4096  # elements: max/min of tensors up to this size are batched (`reduceat`)
 
 
@@ -61,6 +62,13 @@ EMPTY = Stat()  # the statistics of every empty tensor: N/A
 
 def compute(tensors: list, cells: list) -> None:
     """Fill `cells[i]` with the statistics of `tensors[i]` (non-empty tensors)."""
+    if len(tensors) == 1:  # an op side computed at once: the common case outside kernels
+        x = prepare(tensors[0])
+        if x.is_cpu:
+            with np.errstate(all="ignore"):
+                cells[0].value = _one(x.numpy().reshape(-1) if x.is_contiguous() else
+                                      dense_flat(x).numpy())
+            return
     arrays, host_cells, device = [], [], {}
     with np.errstate(all="ignore"):
         for t, cell in zip(tensors, cells):
@@ -118,15 +126,18 @@ def _host(arrays: list, cells: list) -> None:
             highs[i], lows[i] = high, low
     for i, (a, cell) in enumerate(zip(arrays, cells)):
         high = highs[i]
-        if high is None:
-            high, low = float(_max(a)), float(_min(a))
-        else:
-            low = lows[i]
+        cell.value = _one(a) if high is None else _one(a, high, lows[i])
+
+
+def _one(a, high=None, low=None) -> tuple:
+    """(Inside `np.errstate`.) The statistics of a flat float32/float64 numpy array."""
+    if high is None:
+        high, low = float(_max(a)), float(_min(a))
+    total, squares = float(_sum(a)), float(np.dot(a, a))
+    if not (_isfinite(total) and _isfinite(squares)) and _overflowed(high, low, total, squares):
+        a = a.astype(np.float64)
         total, squares = float(_sum(a)), float(np.dot(a, a))
-        if _overflowed(high, low, total, squares):
-            a = a.astype(np.float64)
-            total, squares = float(_sum(a)), float(np.dot(a, a))
-        cell.value = (high, low, total / a.size, math.sqrt(squares))
+    return high, low, total / a.size, math.sqrt(squares)
 
 
 def device_row(x: torch.Tensor) -> torch.Tensor:
