@@ -11,8 +11,12 @@ that.
 With `save_child` the same values show up again and again: a kernel's output is the next
 kernel's input, a view (`aten.view`, `aten.t`, `aten.unsqueeze`...) holds the values of its
 input, and every weight is an input in every round. Max, min, sum and norm depend only on the
-multiset of values, and `statistics` reduces a dense tensor in storage order, so two tensors
-over the same dense memory get bit-identical results.
+multiset of values, and `statistics.compute` reduces a dense tensor in storage order, so two
+tensors over the same dense memory get bit-identical results.
+
+Before any memory key is computed, a tensor is looked up by identity: the same object, at the
+same version, over the same data pointer as when its cell was handed out (the next kernel's
+input is most often the previous kernel's output object).
 
 A cached value is keyed by that memory (`tensors.storage_key`, plus shape and strides for a
 view with gaps) and by the value of the version counter, and is used only for a tensor owned
