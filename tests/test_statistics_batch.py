@@ -145,3 +145,24 @@ def test_a_device_batch_is_read_once_whatever_thread_asks():
     for th in threads:
         th.join()
     assert all(g == got[0] for g in got) and all(c.batch is None for c in cells)
+
+
+def test_the_device_path_through_the_whole_probe_gives_the_golden_statistics(tmp_path,
+                                                                            monkeypatch):
+    """Every statistic routed through the accelerator code (device rows, one stacked copy, cells
+    filled when the writer formats the rows) on the exact-arithmetic model of the golden dump:
+    max, min and mean as the golden csv says; the norm, a float32 square root on that path,
+    to float32 precision."""
+    from atb_probe.capture import statscache
+    from test_dump_golden import CONFIGS, _golden, make_dump
+
+    monkeypatch.setattr(statscache, "compute",
+                        lambda tensors, cells: device_batch([prepare(t) for t in tensors], cells))
+    got = make_dump(tmp_path, CONFIGS["stat-child"])["csv"]
+    want = _golden()["stat-child"]["csv"]
+    assert sorted(got) == sorted(want)
+    for path, rows in want.items():
+        assert len(got[path]) == len(rows)
+        for a, b in zip(got[path][1:], rows[1:]):
+            assert a[:12] == b[:12] and a[14] == b[14], (a, b)
+            assert float(a[13]) == pytest.approx(float(b[13]), rel=1e-6), (a, b)
