@@ -40,6 +40,7 @@ counter).
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -75,6 +76,12 @@ def _version(t: torch.Tensor):
         return t._version
     except Exception:  # inference tensors have no version counter
         return None
+
+
+def _after_fork(ref) -> None:
+    cache = ref()
+    if cache is not None:
+        cache._lock = threading.Lock()
 
 
 class Queue:
@@ -115,6 +122,9 @@ class StatsCache:
         # keeps the object and its version counter but not the pointer.)
         self._seen: dict = {}
         self._lock = threading.Lock()
+        # A fork while another thread holds the lock would leave it held for good in the child.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _after_fork(ref))
 
     def clear(self) -> None:
         with self._lock:
