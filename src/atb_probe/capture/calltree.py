@@ -150,14 +150,17 @@ class Round:
 
 class LayerRun:
     """Per layer-level op execution: what was written (for filter_level 1), its statistic.csv
-    rows (handed to the writer in one piece when the layer ends) and structure."""
+    rows (handed to the writer in one piece when the layer ends), its pending statistics and
+    structure."""
 
-    __slots__ = ("written", "collect", "rows")
+    __slots__ = ("written", "collect", "rows", "deferred", "pending")
 
-    def __init__(self, collect: bool):
+    def __init__(self, collect: bool, deferred: bool = False):
         self.written = {}     # same_bytes_key -> (weakref to tensor, path in round)
         self.collect = collect
         self.rows = []
+        self.deferred = deferred  # kernels seen: statistics may wait for the end (recorder)
+        self.pending = None       # statscache.Queue, once something is pending
 
 
 class _ThreadState(threading.local):
@@ -441,7 +444,8 @@ class Engine:
             SKIP_LAYER
         if plan.dump:
             rnd.selected += 1
-        layer = LayerRun(self.recorder.wants_structure(rnd, info.name, op_id, plan.track_children))
+        layer = LayerRun(self.recorder.wants_structure(rnd, info.name, op_id, plan.track_children),
+                         deferred=plan.track_children)
         frame = Frame(op_id, info.name, info.name, f"{op_id}_{info.name}", plan.dump,
                       plan.dump_children, passthrough=not plan.track_children,
                       track=plan.track_children, layer=layer, path=rnd.model.paths.get(module))
@@ -493,6 +497,8 @@ class Engine:
                 pairs = bind_args(params, args, kwargs)
                 if record:
                     self.recorder.kernel_inputs(rnd, frame, op_name, pairs)
+                if written:
+                    self.recorder.forget_written(frame.layer, pairs, written)
         except Exception as exc:
             self.probe.report(exc)
             frame = None
@@ -501,8 +507,6 @@ class Engine:
             try:
                 if dump and op_name.startswith(_COLLECTIVES):
                     _wait_for_collective(op_name, out)
-                if written:
-                    self.recorder.forget_written(frame.layer, pairs, written)
                 if record:
                     self.recorder.kernel_outputs(rnd, frame, out)
                     self.recorder.child_done(top, frame)

@@ -1,8 +1,14 @@
 """From an op's tensors to records: `.bin` files, statistic.csv rows, op_param.json and the
 structure files of SPEC §5, all handed to the background writer.
 
-Everything here runs on the model thread, so it does only what cannot wait: statistics on the
-tensor's device and a private host copy of the bytes. Encoding and disk I/O happen on the writer.
+Everything here runs on the model thread, so it does only what cannot wait. Per op side it
+takes the IDs, looks the tensors' statistics up (statscache) and appends one `SideRows` record
+to the layer-level op execution's; statistics that are not known yet are queued and computed in
+one batch when the execution ends, or at once where the probe does not see the kernels that
+could change the tensors before then. Tensor files need a private copy of the bytes at once
+(on an accelerator: a copy to pinned memory that the writer waits for). The rows are handed to
+the writer at the end of each layer-level op execution; formatting, encoding and disk I/O
+happen there.
 """
 from __future__ import annotations
 
@@ -17,13 +23,16 @@ import torch
 from .. import log
 from ..binfile import encode_header, encode_reference
 from ..naming import sanitize
-from ..statcsv import FILE_NAME as CSV_FILE, HEADER, NA
+from ..statcsv import FILE_NAME as CSV_FILE, HEADER, NA, SideRows
 from .arguments import bind_args
-from .statscache import StatsCache
-from .tensors import (dtype_of, flatten, host_bytes, is_dumpable, local_of, may_hold_tensor,
+from .statscache import Queue, StatsCache
+from .tensors import (dumpable_dtype, flatten, host_bytes, local_of, may_hold_tensor,
                       same_bytes_key)
 
 MAX_PARAM_SHAPES = 256
+# Bytes of tensors a layer execution keeps alive for statistics computed at its end; beyond
+# this they are computed at once.
+MAX_PENDING_BYTES = 64 * 1024 ** 2
 
 
 class Recorder:
@@ -64,8 +73,11 @@ class Recorder:
     def module_outputs(self, rnd, frame, out, named: bool) -> None:
         if not (frame.dump or _collecting(frame)):
             return
-        items, params = [], {}
-        flatten(out, "", items, params, name_items=False)
+        if isinstance(out, torch.Tensor):
+            items = [("", out)]
+        else:
+            items = []
+            flatten(out, "", items, {}, name_items=False)
         frame.outputs = len(items)
         if frame.dump:
             labels = self.write_side(rnd, frame, "output", items, named, kernel=False)
@@ -121,8 +133,11 @@ class Recorder:
                                "args": params}
 
     def kernel_outputs(self, rnd, frame, out) -> None:
-        items = []
-        flatten(out, "", items, {}, name_items=False)
+        if isinstance(out, torch.Tensor):  # most kernels
+            items = [("", out)]
+        else:
+            items = []
+            flatten(out, "", items, {}, name_items=False)
         frame.outputs = len(items)
         if frame.dump:
             self.write_side(rnd, frame, "output", items, named=False, kernel=True)
@@ -134,8 +149,13 @@ class Recorder:
                                            frame.param)
 
     def forget_written(self, layer, pairs, written: tuple) -> None:
-        """An in-place kernel changed these tensors: their bytes on disk are no longer theirs."""
-        if layer is None or not layer.written:
+        """An in-place kernel is about to change these tensors: statistics still pending are
+        computed now, and their bytes on disk are no longer theirs."""
+        if layer is None:
+            return
+        if layer.pending is not None:
+            layer.pending.resolve()
+        if not layer.written:
             return
         for name, value in pairs:
             if name not in written:
@@ -149,54 +169,61 @@ class Recorder:
     # -- tensors ----------------------------------------------------------------------------
 
     def write_side(self, rnd, frame, side: str, items, named: bool, kernel: bool) -> list[str]:
-        """Write one side (inputs or outputs) of an op; returns the index labels."""
+        """Record one side (inputs or outputs) of an op: its statistic.csv rows join the
+        layer execution's, statistics pending (see statscache), files queued; returns the
+        index labels."""
         cfg = rnd.config
-        probe = self.probe
-        inputs = side == "input"
-        header_only = kernel and cfg.save_child and cfg.filter_level >= 2
         kept, tensors = [], []
         for i, (label, t) in enumerate(items):
             if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
                 t, meta = local_of(t)
                 if meta is not None:
                     _describe_shard(frame, side, i, label if named else "", meta)
-            dt = dtype_of(t) if is_dumpable(t) else None
+            dt = dumpable_dtype(t)
             if dt is not None:
                 kept.append((i, label, t, dt))
                 tensors.append(t)
             else:
-                log.warn_once(f"skip-{type(t).__name__}-{getattr(t, 'dtype', '')}",
-                              f"cannot dump a {type(t).__name__} of dtype "
-                              f"{getattr(t, 'dtype', '?')} ({frame.full_name}); skipped")
-        if cfg.wants_statistics or header_only:
+                _skipped(t, frame)
+        layer = frame.layer
+        if cfg.wants_statistics or (kernel and cfg.save_child and cfg.filter_level >= 2):
+            queue = _queue(layer)
             if not kernel:
-                stats, _ = self.stats.side(tensors)
-            elif inputs:
-                stats, seen = self.stats.side(tensors, remember_inputs=frame.reuse)
-                frame.reuse = seen
+                stats, _ = self.stats.side(queue, tensors)
+            elif side == "input":
+                stats, frame.reuse = self.stats.side(queue, tensors,
+                                                     remember_inputs=frame.reuse)
             else:
-                stats, _ = self.stats.side(tensors, kernel_output=True, inputs_seen=frame.reuse)
+                stats, _ = self.stats.side(queue, tensors, kernel_output=True,
+                                           inputs_seen=frame.reuse)
+            # Deferred only where every in-place kernel is seen (see forget_written).
+            if layer is None or not layer.deferred or queue.nbytes > MAX_PENDING_BYTES:
+                queue.resolve()
         else:
             stats = [None] * len(kept)
-        layer = frame.layer
-        if not cfg.wants_tensors:
-            head = (probe.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id, side)
-            labels = [f"{i}_{_safe_label(label)}" if named and label else str(i)
-                      for i, label, _, _ in kept]
-            rows = [(*head, index, dt.csv_name, "nd", t.shape, st, NA)
-                    for (_, _, t, dt), st, index in zip(kept, stats, labels)]
-        else:
+        if cfg.wants_tensors:
             rows, labels = self._write_tensors(rnd, frame, side, kept, stats, named, kernel)
+        else:
+            rows, labels = [], []
+            for (i, label, t, dt), st in zip(kept, stats):
+                if named and label:
+                    index = f"{i}_{_safe_label(label)}"
+                else:
+                    index = _INDEX[i] if i < 64 else str(i)
+                labels.append(index)
+                rows.append((index, dt.csv_name, t.shape, st, NA))
         if rows:
+            record = SideRows((self.probe.devpid, str(rnd.index), frame.full_name, frame.name,
+                               frame.op_id, side), rows)
             if layer is not None:
-                layer.rows.extend(rows)
+                layer.rows.append(record)
             else:
-                probe.writer.put_records(rnd.rel, CSV_FILE, rows, HEADER)
+                self.probe.writer.put_records(rnd.rel, CSV_FILE, [record], HEADER)
         return labels
 
     def _write_tensors(self, rnd, frame, side, kept, stats, named, kernel):
         """Queue the `.bin` files of one side (data, or references under filter_level 1 and 2);
-        returns its statistic.csv records and index labels."""
+        returns its statistic.csv rows and index labels."""
         cfg = rnd.config
         probe = self.probe
         prefix, sub = ("intensor", "before") if side == "input" else ("outtensor", "after")
@@ -223,16 +250,13 @@ class Recorder:
                     # This alias keeps the storage alive now, maybe after the first one died.
                     layer.written[key] = (weakref.ref(t), target)
                 else:
-                    data = host_bytes(t)
+                    data, ready = host_bytes(t)
                     probe.writer.put_file(op_dir, fname,
                                           [encode_header(dt.code, dims, data.nbytes), data],
-                                          data.nbytes)
+                                          data.nbytes, ready)
                     if key is not None and layer is not None:
                         layer.written[key] = (weakref.ref(t), in_round)
-            path = f"{probe.tree.root}/{op_dir}/{fname}"
-            # A record: formatted on the writer thread (statcsv.format_records).
-            rows.append((probe.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id,
-                         side, index, dt.csv_name, "nd", dims, st, path))
+            rows.append((index, dt.csv_name, dims, st, f"{probe.tree.root}/{op_dir}/{fname}"))
         return rows, labels
 
     # -- structure files --------------------------------------------------------------------
@@ -248,7 +272,10 @@ class Recorder:
             parent.nodes.append(_node(frame))
 
     def flush_rows(self, rnd, layer) -> None:
-        """Hand a layer execution's statistic.csv rows to the writer, in execution order."""
+        """Compute a layer execution's pending statistics and hand its statistic.csv rows to
+        the writer, in execution order."""
+        if layer.pending is not None:
+            layer.pending.resolve()
         if layer.rows:
             rows, layer.rows = layer.rows, []
             self.probe.writer.put_records(rnd.rel, CSV_FILE, rows, HEADER)
@@ -368,12 +395,21 @@ def _safe_label(label: str) -> str:
     return sanitize(label, limit=64)
 
 
+_INDEX = tuple(str(i) for i in range(64))
+
+
 def _tensors_of(pairs, items: list) -> None:
     """`flatten` of each (name, value) pair into `items`, without rendering the other
     values as parameters."""
     for name, value in pairs:
         if isinstance(value, torch.Tensor):
             items.append((name, value))
+        elif type(value) is list or type(value) is tuple:
+            # Sizes and strides (lists of ints) are the common case: no tensor, nothing to do.
+            for v in value:
+                if not isinstance(v, (int, float, bool)):
+                    flatten(value, name, items, {}, name_items=True)
+                    break
         elif may_hold_tensor(value):
             flatten(value, name, items, {}, name_items=True)
 
@@ -386,6 +422,22 @@ def _describe_shard(frame, side: str, i: int, label: str, meta: dict) -> None:
     if frame.shards is None:
         frame.shards = {}
     frame.shards[name] = meta
+
+
+def _skipped(t, frame) -> None:
+    log.warn_once(f"skip-{type(t).__name__}-{getattr(t, 'dtype', '')}",
+                  f"cannot dump a {type(t).__name__} of dtype {getattr(t, 'dtype', '?')} "
+                  f"({frame.full_name}); skipped")
+
+
+def _queue(layer) -> Queue:
+    """The queue of pending statistics of a layer execution (a new one for an op outside
+    any)."""
+    if layer is None:
+        return Queue()
+    if layer.pending is None:
+        layer.pending = Queue()
+    return layer.pending
 
 
 def _collecting(frame) -> bool:

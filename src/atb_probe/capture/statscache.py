@@ -1,10 +1,22 @@
-"""Statistics computed once per state of a tensor's memory, not once per appearance.
+"""Statistics computed once per state of a tensor's memory, not once per appearance, and in
+batches: a lookup that misses queues the tensor and returns a pending `Stat` cell, and
+`resolve` computes everything queued in one call (statistics.py).
+
+Each layer-level op execution has its own `Queue`. The recorder resolves it at the end of the
+execution when it sees the kernels inside (and before any kernel there that writes to its
+arguments, so what is queued still holds the values of the moment it was seen), and at once
+otherwise. Queued tensors are kept alive until then; `Queue.nbytes` lets the recorder bound
+that.
 
 With `save_child` the same values show up again and again: a kernel's output is the next
 kernel's input, a view (`aten.view`, `aten.t`, `aten.unsqueeze`...) holds the values of its
 input, and every weight is an input in every round. Max, min, sum and norm depend only on the
-multiset of values, and `statistics` reduces a dense tensor in storage order, so two tensors
-over the same dense memory get bit-identical results.
+multiset of values, and `statistics.compute` reduces a dense tensor in storage order, so two
+tensors over the same dense memory get bit-identical results.
+
+Before any memory key is computed, a tensor is looked up by identity: the same object, at the
+same version, over the same data pointer as when its cell was handed out (the next kernel's
+input is most often the previous kernel's output object).
 
 A cached value is keyed by that memory (`tensors.storage_key`, plus shape and strides for a
 view with gaps) and by the value of the version counter, and is used only for a tensor owned
@@ -28,12 +40,14 @@ counter).
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
 import torch
 
-from .tensors import is_dense, statistics, storage_key
+from .statistics import EMPTY, Stat, compute, is_dense
+from .tensors import storage_key
 
 MAX_ENTRIES = 4096
 
@@ -64,6 +78,33 @@ def _version(t: torch.Tensor):
         return None
 
 
+def _after_fork(ref) -> None:
+    cache = ref()
+    if cache is not None:
+        cache._lock = threading.Lock()
+
+
+class Queue:
+    """Tensors of one thread's layer-level op execution whose statistics are pending, and
+    their cells (see the module docstring)."""
+
+    __slots__ = ("tensors", "cells", "nbytes")
+
+    def __init__(self):
+        self.tensors: list = []
+        self.cells: list = []
+        self.nbytes = 0       # bytes of the tensors kept alive for it
+
+    def resolve(self) -> None:
+        """Compute every queued statistic (one batch) and let go of the tensors."""
+        if self.tensors:
+            tensors, cells = self.tensors, self.cells
+            self.tensors, self.cells, self.nbytes = [], [], 0
+            for cell in cells:
+                cell.batch = None
+            compute(tensors, cells)
+
+
 class StatsCache:
     """`statistics` of a side of an op, reusing earlier results (see the module docstring).
 
@@ -75,64 +116,122 @@ class StatsCache:
     def __init__(self):
         self._entries: dict = {}
         self._limit = MAX_ENTRIES
+        # id(tensor) -> (weak reference to it, its version, cell, its data pointer): the same
+        # tensor object at the same version over the same memory (the next kernel's input is
+        # the last one's output) is found without computing its memory key. (`t.data = other`
+        # keeps the object and its version counter but not the pointer.)
+        self._seen: dict = {}
         self._lock = threading.Lock()
+        # A fork while another thread holds the lock would leave it held for good in the child.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _after_fork(ref))
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._seen.clear()
             self._limit = MAX_ENTRIES
 
-    def side(self, tensors: list, kernel_output: bool = False, inputs_seen=None,
+    def side(self, queue: Queue, tensors: list, kernel_output: bool = False, inputs_seen=None,
              remember_inputs: bool = False):
-        """Statistics of `tensors`, in order.
+        """`Stat` cells of `tensors`, in order: earlier results, or new cells pending in
+        `queue` (a cell pending in another thread's queue is not used: it may never be
+        computed before this thread's rows are written).
 
         `kernel_output`: the tensors are a kernel's outputs, inside the dispatch; then
         `inputs_seen` is what the same kernel's inputs left (see `remember_inputs`), or None
         when the kernel writes to its arguments. `remember_inputs`: also return what these
-        tensors leave for the outputs of the same kernel: ({memory key: statistics}, storage
-        addresses). Returns (statistics, that or None)."""
-        entries = self._entries
-        n = len(tensors)
-        results, keys, missing = [None] * n, [None] * n, []
-        for i, t in enumerate(tensors):
+        tensors leave for the outputs of the same kernel. Returns (cells, that or None)."""
+        if kernel_output:
+            cells = [self._output(t, queue, inputs_seen) for t in tensors]
+            return cells, None
+        cells = []
+        for t in tensors:
+            cell = self._lookup(t, queue)
+            if cell is None:
+                cell = self._new(t, queue)
+                if cell is not EMPTY:
+                    self._keep(t, cell, memory_key(t))
+            cells.append(cell)
+        return cells, ((tensors, cells) if remember_inputs else None)
+
+    def _lookup(self, t, queue: Queue):
+        """The cell of `t`'s values as they are, if known and usable here."""
+        version = _version(t)
+        if version is None:
+            return None
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[1] == version and seen[0]() is t and \
+                seen[3] == t.data_ptr():
+            cell = seen[2]
+        else:
             key = memory_key(t)
-            keys[i] = key
-            if key is None:
-                missing.append(i)
+            entry = self._entries.get(key + (version,)) if key is not None else None
+            if entry is None or entry[0]() is not _owner(t):
+                return None
+            cell = entry[1]
+            self._remember(t, version, cell)
+        batch = cell.batch
+        if batch is not None and batch is not queue and type(batch) is Queue:
+            return None
+        return cell
+
+    def _output(self, t, queue: Queue, inputs_seen):
+        """The cell of a kernel output: that of an input over the same memory (a view
+        kernel), else a new one, kept for later unless it shares an input's storage."""
+        key = memory_key(t)
+        if inputs_seen is None or key is None:  # an in-place kernel, or no key: not kept
+            return self._new(t, queue)
+        shared = False
+        for it, cell in zip(*inputs_seen):
+            try:
+                address = it.untyped_storage().data_ptr()
+            except Exception:  # subclasses, tensors without storage
                 continue
-            if kernel_output:
-                hit = inputs_seen[0].get(key) if inputs_seen else None
-                if hit is not None:
-                    results[i] = hit
-                else:
-                    missing.append(i)
-                continue
-            version = _version(t)
-            entry = entries.get(key + (version,)) if version is not None else None
-            if entry is not None and entry[0]() is _owner(t):
-                results[i] = entry[1]
-            else:
-                missing.append(i)
-        if missing:
-            computed = statistics([tensors[i] for i in missing])
-            shared = inputs_seen[1] if kernel_output and inputs_seen is not None else ()
-            keep = not kernel_output or inputs_seen is not None  # not after an in-place kernel
-            for i, value in zip(missing, computed):
-                results[i] = value
-                key = keys[i]
-                if value is None or key is None or not keep:
-                    continue
-                t = tensors[i]
-                if kernel_output and key[2] in shared:
-                    continue  # memory shared with an input: a view's counter is not its own yet
-                version = _version(t)
-                if version is not None:
-                    self._store(key + (version,), _owner(t), value)
-        remembered = None
-        if remember_inputs:
-            remembered = ({k: v for k, v in zip(keys, results) if k is not None and v is not None},
-                          {k[2] for k in keys if k is not None})
-        return results, remembered
+            if address == key[2]:
+                if cell is not EMPTY and memory_key(it) == key:
+                    return cell
+                shared = True
+        cell = self._new(t, queue)
+        if not shared and cell is not EMPTY:
+            # Fresh memory: its version counter is its own for good. (A view's counter is
+            # not linked to its base's yet, inside the dispatch.)
+            self._keep(t, cell, key)
+        return cell
+
+    @staticmethod
+    def _new(t, queue: Queue):
+        """A new cell for `t`, pending in `queue` (EMPTY for an empty tensor)."""
+        n = t.numel()
+        if not n:
+            return EMPTY
+        cell = Stat(None, queue)
+        queue.tensors.append(t)
+        queue.cells.append(cell)
+        queue.nbytes += n * t.element_size()
+        return cell
+
+    def _keep(self, t, cell, key) -> None:
+        """Remember `cell` for `t`'s memory at its present version."""
+        version = _version(t)
+        if version is None or key is None:
+            return
+        self._store(key + (version,), _owner(t), cell)
+        self._remember(t, version, cell)
+
+    def _remember(self, t, version, cell) -> None:
+        try:
+            entry = (weakref.ref(t), version, cell, t.data_ptr())
+        except (TypeError, RuntimeError):  # not weak-referenceable, no storage
+            return
+        with self._lock:
+            seen = self._seen
+            if len(seen) >= 2 * MAX_ENTRIES:
+                for k in [k for k, e in seen.items() if e[0]() is None]:
+                    del seen[k]
+                if len(seen) >= MAX_ENTRIES:
+                    seen.clear()
+            seen[id(t)] = entry
 
     def _store(self, key, owner, value) -> None:
         try:

@@ -1,22 +1,18 @@
-"""Tensors as the dump sees them: flattening call arguments, statistics, host copies.
+"""Tensors as the dump sees them: flattening call arguments, memory keys, host copies.
 
 Flattening follows SPEC §5: tensors in call order, tuples/lists/dicts/dataclasses (ModelOutput
 included) walked in order; everything else is a plain parameter for `op_param.json`.
-Statistics are computed on the tensor's own device in one batched pass per op and fetched with a
-single host transfer.
+Statistics are in statistics.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-import numpy as np
 import torch
 
 from ..dtypes import BY_TORCH_NAME, DType
-
-_max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
-
+from .statistics import to_host
 
 _BY_DTYPE: dict = {getattr(torch, d.torch_name): d for d in BY_TORCH_NAME.values()
                    if hasattr(torch, d.torch_name)}
@@ -24,6 +20,17 @@ _BY_DTYPE: dict = {getattr(torch, d.torch_name): d for d in BY_TORCH_NAME.values
 
 def dtype_of(t: torch.Tensor) -> DType | None:
     """The table entry of a tensor's dtype; None for dtypes the format cannot hold."""
+    return _BY_DTYPE.get(t.dtype)
+
+
+def dumpable_dtype(t):
+    """The table entry of a tensor's dtype when the tensor can be dumped (`is_dumpable`), else
+    None."""
+    cls = type(t)
+    if cls is not torch.Tensor and cls is not torch.nn.Parameter:
+        return None
+    if t.layout is not torch.strided or t.is_meta or t.is_nested:
+        return None
     return _BY_DTYPE.get(t.dtype)
 
 
@@ -124,91 +131,10 @@ def _plain(value):
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def statistics(tensors: list[torch.Tensor]) -> list[tuple[float, float, float, float] | None]:
-    """(max, min, mean, L2 norm) of each tensor; None for empty ones.
-
-    Accumulated in float32 (float64 for double and integer tensors), over the tensor's memory in
-    storage order (a transposed view is reduced as fast as its base); means are sums divided by
-    the element count. Where a float32 sum or sum of squares overflows although every element is
-    finite (values beyond ~1e19), that tensor is summed again in float64, so a representable
-    norm is never reported as inf. inf and nan in the data are results here, not errors: numpy
-    is kept from warning about them in the user's process.
-
-    CPU tensors are reduced by numpy: single-threaded, so a busy machine's thread pool never
-    makes a small reduction wait. Accelerator tensors are reduced on their device, and all of an
-    op's results come back in one host transfer."""
-    rows: list = [None] * len(tensors)
-    parts, where = [], []
-    with np.errstate(all="ignore"):
-        for i, t in enumerate(tensors):
-            n = t.numel()
-            if n == 0:
-                continue
-            x = t.detach() if t.requires_grad else t
-            dtype = x.dtype
-            if dtype is not torch.float32 and dtype is not torch.float64:
-                if x.is_complex():
-                    x = x.abs()
-                if x.dtype is not torch.float32 and x.dtype is not torch.float64:
-                    x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
-                             else torch.float64)
-            if x.is_neg():
-                x = x.resolve_neg()
-            if x.is_cpu:
-                a = x.numpy().reshape(-1) if x.is_contiguous() else _dense_flat(x).numpy()
-                high, low, total, squares = (float(_max(a)), float(_min(a)), float(_sum(a)),
-                                             float(np.dot(a, a)))
-                if _overflowed(high, low, total, squares):
-                    a = a.astype(np.float64)
-                    total, squares = float(_sum(a)), float(np.dot(a, a))
-                rows[i] = (high, low, total / n, math.sqrt(squares))
-                continue
-            x = _dense_flat(x)
-            low, high = torch.aminmax(x)
-            parts.append(torch.stack((high, low, x.sum(), torch.linalg.vector_norm(x))).double())
-            where.append((i, n))
-    if parts:
-        values = torch.stack(parts).tolist()
-        for (i, n), (high, low, total, norm) in zip(where, values):
-            if _overflowed(high, low, total, norm):
-                x = tensors[i].detach()
-                x = _dense_flat(x.abs() if x.is_complex() else x.resolve_neg()).double()
-                total, norm = torch.stack((x.sum(), torch.linalg.vector_norm(x))).tolist()
-            rows[i] = (high, low, total / n, norm)
-    return rows
-
-
-def _overflowed(high: float, low: float, total: float, squares: float) -> bool:
-    """A float32 sum (or sum of squares) went infinite while every element is finite."""
-    return not (math.isfinite(total) and math.isfinite(squares)) and \
-        math.isfinite(high) and math.isfinite(low)
-
-
-def is_dense(x: torch.Tensor) -> bool:
-    """Whether `x`'s elements fill its memory densely in some order (contiguous, transposed,
-    permuted)."""
-    expected = 1
-    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda p: p[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _dense_flat(x: torch.Tensor) -> torch.Tensor:
-    """`x` as a 1-D tensor over the same memory when its elements fill it densely in some order
-    (contiguous, transposed, permuted), else a contiguous copy."""
-    if x.is_contiguous():
-        return x.view(-1)
-    if is_dense(x):
-        return x.as_strided((x.numel(),), (1,))
-    return x.reshape(-1)
-
-
 def host_bytes(t: torch.Tensor):
-    """A private host copy of `t`'s bytes, C-contiguous, as a flat uint8 numpy array.
+    """A private host copy of `t`'s bytes, C-contiguous, as a flat uint8 numpy array, and what
+    to wait for before reading it: None, or for a tensor on an accelerator the event after its
+    copy to pinned memory (queued without blocking the model thread).
 
     Always a copy: the model may change the tensor in place after this returns."""
     x = t.detach()
@@ -216,22 +142,22 @@ def host_bytes(t: torch.Tensor):
         x = x.resolve_conj()
     if x.is_neg():
         x = x.resolve_neg()
+    ready = None
     if x.device.type != "cpu":
-        x = x.to("cpu")
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x, ready = to_host(x if x.is_contiguous() else x.contiguous())
     elif x.is_contiguous():
         x = x.clone()
     else:
         x = x.contiguous()
-    return x.reshape(-1).view(torch.uint8).numpy()
+    return x.reshape(-1).view(torch.uint8).numpy(), ready
 
 
 def storage_key(t: torch.Tensor) -> tuple:
-    """Where a tensor's elements start and what they are: device, storage address, offset,
-    dtype, element count, lazy negation/conjugation. Raises for tensors without storage."""
-    return (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
-            t.dtype, t.numel(), t.is_neg(), t.is_conj())
+    """Where a tensor's elements start and what they are: device, dtype, storage address (at
+    index 2), offset, element count, lazy negation/conjugation. Raises for tensors without
+    storage."""
+    return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(),
+            t.is_neg(), t.is_conj())
 
 
 def same_bytes_key(t: torch.Tensor):

@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .. import log
-from ..statcsv import format_records
+from ..statcsv import SideRows, format_sides
 from .safefs import SafeTree, UnsafePathError
 
 GIB = 1024 ** 3
@@ -70,6 +70,7 @@ class FileJob:
     name: str
     chunks: list
     size: int  # accounted bytes
+    ready: object = None  # an accelerator event to wait for before reading the buffers
 
 
 @dataclass(slots=True)
@@ -101,7 +102,7 @@ class _Rows:
 
     def __init__(self, header: str, now: float, file_bytes: int):
         self.header = header
-        self.parts: list = []  # lists of records (statcsv.format_records)
+        self.parts: list = []  # lists of statcsv.SideRows
         self.nbytes = 0        # bytes of rows waiting (estimated)
         self.accounted = 0     # their share of bytes_queued
         self.file_bytes = file_bytes  # bytes this writer has appended to the file so far
@@ -133,30 +134,34 @@ class Writer:
         self._row_file_bytes: dict[tuple[str, str], int] = {}
         self._missing: set[str] = set()   # absolute paths of files skipped, until their row
         self._urgent = 0                  # threads waiting for the disk: write rows now
+        self._wakes_at = 0.0              # when the sleeping writer wakes on its own (inf: never)
         self._last_progress = time.monotonic()
 
     # -- producer side (model threads) --------------------------------------------------------
 
-    def put_file(self, rel_dir: str, name: str, chunks: list, payload_bytes: int) -> None:
-        """Queue a file made of `chunks` (header bytes, then buffers the writer may keep)."""
-        self._put(FileJob(rel_dir, name, chunks, payload_bytes + _JOB_OVERHEAD))
+    def put_file(self, rel_dir: str, name: str, chunks: list, payload_bytes: int,
+                 ready=None) -> None:
+        """Queue a file made of `chunks` (header bytes, then buffers the writer may keep).
+        `ready`: None, or an event (`torch.cuda.Event`...) to wait for before reading the
+        buffers: they are being copied from an accelerator."""
+        self._put(FileJob(rel_dir, name, chunks, payload_bytes + _JOB_OVERHEAD, ready))
 
-    def put_records(self, rel_dir: str, name: str, records: list, header: str) -> None:
-        """Queue statistic.csv rows as records (see `statcsv.format_records`) for
-        `rel_dir/name`, a new file starting with `header`: they are formatted on the writer
-        thread, when their batch is written.
+    def put_records(self, rel_dir: str, name: str, sides: list, header: str) -> None:
+        """Queue statistic.csv rows as `statcsv.SideRows` records for `rel_dir/name`, a new
+        file starting with `header`: they are formatted on the writer thread, when their batch
+        is written.
 
         Rows join their file's batch at once when nothing is queued before them (so every
         file they name has been dealt with), without waking the writer unless the batch is new
         or full: the writer sleeps until the batch is due. Otherwise they queue in order."""
-        size = _RECORD_BYTES * len(records)
+        size = _RECORD_BYTES * sum([len(side.rows) for side in sides])
         with self._cond:
             if not self._admit(size):
                 return
             if self._jobs or self._busy:
-                self._jobs.append(RowsJob(rel_dir, name, records, header, size))
+                self._jobs.append(RowsJob(rel_dir, name, sides, header, size))
                 self._cond.notify_all()
-            elif self._batch((rel_dir, name), header, records, size):
+            elif self._batch((rel_dir, name), header, sides, size):
                 self._cond.notify_all()
 
     def put_json(self, rel_dir: str, name: str, obj) -> None:
@@ -261,7 +266,9 @@ class Writer:
                         break
                     if wait is None and self._closed:
                         return
+                    self._wakes_at = float("inf") if wait is None else time.monotonic() + wait
                     self._cond.wait(wait)
+                    self._wakes_at = 0.0
                 self._busy = True
                 self._last_progress = time.monotonic()  # idle time is not a stall
             self.tree.progress = self._progress  # the tree may have been replaced (fork)
@@ -299,6 +306,8 @@ class Writer:
         try:
             if type(job) is FileJob:
                 chunks = job.chunks
+                if job.ready is not None:
+                    job.ready.synchronize()
                 nbytes = sum(memoryview(c).nbytes for c in chunks)
                 if not self._has_room(rel_dir, nbytes, name):
                     self._missing.add(self.tree.path(f"{rel_dir}/{name}"))
@@ -332,7 +341,8 @@ class Writer:
     def _batch(self, key: tuple[str, str], header: str, part, size: int) -> bool:
         """(Holding `_cond`.) Add records to the batch of file `key`; from here
         the batch accounts for their `size` queued bytes. True when the writer should look at
-        the batches now: a new one (its due time) or one big enough to write."""
+        the batches now: a new one due before the writer wakes anyway, or one big enough to
+        write."""
         rows = self._rows.get(key)
         new = rows is None
         if new:
@@ -344,7 +354,9 @@ class Writer:
         if len(self._rows) > MAX_ROW_FILES or rows.nbytes >= max(ROWS_BATCH, rows.file_bytes):
             rows.due = 0.0
             return True
-        return new
+        # A new batch wakes the writer only if it would sleep past the batch's due time: a
+        # wake-up costs the model thread a GIL hand-over, and rows come once per layer.
+        return new and rows.due < self._wakes_at
 
     def _write_rows(self) -> None:
         """Append every waiting row to its file (each file in one atomic step). Never raises:
@@ -380,14 +392,20 @@ class Writer:
     def _encode(self, part: list) -> bytes:
         """csv bytes of a batch part; rows naming a skipped file say N/A in their Tensor Path."""
         if self._missing:
-            part = [self._unname_record(r) for r in part]
-        return format_records(part).encode("utf-8")
+            part = [self._unname_side(side) for side in part]
+        return format_sides(part).encode("utf-8")
 
-    def _unname_record(self, record: tuple) -> tuple:
-        if record[-1] in self._missing:
-            self._missing.discard(record[-1])
-            return record[:-1] + (_NA,)
-        return record
+    def _unname_side(self, side: SideRows) -> SideRows:
+        missing = self._missing
+        if not any(row[4] in missing for row in side.rows):
+            return side
+        rows = []
+        for row in side.rows:
+            if row[4] in missing:
+                missing.discard(row[4])
+                row = row[:4] + (_NA,)
+            rows.append(row)
+        return SideRows(side.head, rows)
 
     def _release(self, rows: _Rows) -> None:
         with self._cond:

@@ -1,0 +1,228 @@
+"""Max, min, mean and L2 norm of many tensors at once, without waiting on an accelerator.
+
+The recorder collects the tensors of a layer-level op execution and asks for their statistics
+in one `compute` call (see `StatsCache.resolve`). Each result goes into a `Stat` cell that the
+statistic.csv rows point to; the rows are formatted on the writer thread, which is the only
+reader of the values.
+
+What a statistic is (the numbers are those of every earlier version of the probe):
+
+* Accumulated in float32 (float64 for double and integer tensors), over the tensor's memory in
+  storage order (a transposed view is reduced as fast as its base); the mean is the sum
+  divided by the element count. Where a float32 sum or sum of squares overflows although every
+  element is finite (values beyond ~1e19), that tensor is summed again in float64, so a
+  representable norm is never reported as inf. inf and nan in the data are results, not
+  errors: numpy is kept from warning about them in the user's process.
+* CPU tensors are reduced by numpy: single-threaded, so a busy machine's thread pool never
+  makes a small reduction wait. The sum is numpy's `add.reduce` (pairwise) and the sum of
+  squares `np.dot` (BLAS) of each tensor, as before; max and min of the small tensors of a
+  batch come from one `reduceat` over their concatenation (max and min do not depend on the
+  order, and numpy's `reduceat` gives the same values as a `reduce` per tensor, signed zeros
+  and nan included).
+* Accelerator tensors are reduced on their device by the same torch code as before, the
+  float64 sums beside the float32 ones (so the overflow fallback needs no round trip), every
+  tensor's six numbers stacked into one device buffer per batch and copied to pinned host
+  memory without blocking. A `DeviceBatch` records an event after the copy; the writer waits
+  on it (`Stat.get`) when it formats the rows. The model thread never synchronises.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import torch
+
+_max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
+_isfinite = math.isfinite
+SMALL = 4096  # elements: max/min of tensors up to this size are batched (`reduceat`)
+
+
+class Stat:
+    """The statistics of one state of a tensor's values: `(max, min, mean, norm)`, or None
+    for an empty tensor. Pending until its batch is computed; on an accelerator, until the
+    batch's host copy has landed (`get` waits for it)."""
+
+    __slots__ = ("value", "batch")
+
+    def __init__(self, value=None, batch=None):
+        self.value = value
+        self.batch = batch
+
+    def get(self):
+        """The value, waiting for a device batch's copy if needed (writer thread)."""
+        batch = self.batch
+        if type(batch) is DeviceBatch:
+            batch.finish()
+        return self.value
+
+
+EMPTY = Stat()  # the statistics of every empty tensor: N/A
+
+
+def compute(tensors: list, cells: list) -> None:
+    """Fill `cells[i]` with the statistics of `tensors[i]` (non-empty tensors)."""
+    if len(tensors) == 1:  # an op side computed at once: the common case outside kernels
+        x = prepare(tensors[0])
+        if x.is_cpu:
+            with np.errstate(all="ignore"):
+                cells[0].value = _one(x.numpy().reshape(-1) if x.is_contiguous() else
+                                      dense_flat(x).numpy())
+            return
+    arrays, host_cells, device = [], [], {}
+    with np.errstate(all="ignore"):
+        for t, cell in zip(tensors, cells):
+            x = prepare(t)
+            if x.is_cpu:
+                arrays.append(x.numpy().reshape(-1) if x.is_contiguous() else
+                              dense_flat(x).numpy())
+                host_cells.append(cell)
+            else:
+                device.setdefault(x.device, []).append((x, cell))
+        if arrays:
+            _host(arrays, host_cells)
+    for items in device.values():
+        device_batch([x for x, _ in items], [c for _, c in items])
+
+
+def device_batch(tensors: list, cells: list) -> None:
+    """Statistics of prepared tensors of one device, computed there: the cells fill when the
+    writer asks for them (see `DeviceBatch`)."""
+    DeviceBatch([device_row(x) for x in tensors], cells, [x.numel() for x in tensors])
+
+
+def prepare(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the float32 or float64 tensor its statistics are computed over."""
+    x = t.detach() if t.requires_grad else t
+    dtype = x.dtype
+    if dtype is not torch.float32 and dtype is not torch.float64:
+        if x.is_complex():
+            x = x.abs()
+        if x.dtype is not torch.float32 and x.dtype is not torch.float64:
+            x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
+                     else torch.float64)
+    if x.is_neg():
+        x = x.resolve_neg()
+    return x
+
+
+def _host(arrays: list, cells: list) -> None:
+    """(Inside `np.errstate`.) Statistics of flat float32/float64 numpy arrays."""
+    n = len(arrays)
+    highs, lows = [None] * n, [None] * n
+    groups: dict = {}
+    if n >= 3:
+        for i, a in enumerate(arrays):
+            if a.size <= SMALL:
+                groups.setdefault(a.dtype.char, []).append(i)
+    for small in groups.values():
+        if len(small) < 3:
+            continue
+        parts = [arrays[i] for i in small]
+        starts = np.cumsum([0] + [a.size for a in parts[:-1]])
+        joined = np.concatenate(parts)
+        for i, high, low in zip(small, np.maximum.reduceat(joined, starts).tolist(),
+                                np.minimum.reduceat(joined, starts).tolist()):
+            highs[i], lows[i] = high, low
+    for i, (a, cell) in enumerate(zip(arrays, cells)):
+        high = highs[i]
+        cell.value = _one(a) if high is None else _one(a, high, lows[i])
+
+
+def _one(a, high=None, low=None) -> tuple:
+    """(Inside `np.errstate`.) The statistics of a flat float32/float64 numpy array."""
+    if high is None:
+        high, low = float(_max(a)), float(_min(a))
+    total, squares = float(_sum(a)), float(np.dot(a, a))
+    if not (_isfinite(total) and _isfinite(squares)) and _overflowed(high, low, total, squares):
+        a = a.astype(np.float64)
+        total, squares = float(_sum(a)), float(np.dot(a, a))
+    return high, low, total / a.size, math.sqrt(squares)
+
+
+def device_row(x: torch.Tensor) -> torch.Tensor:
+    """(max, min, sum, norm, sum in float64, norm in float64) of a prepared tensor, as a
+    float64 tensor on its device: kernels queued, nothing waited for."""
+    x = dense_flat(x)
+    low, high = torch.aminmax(x)
+    row = torch.stack((high, low, x.sum(), torch.linalg.vector_norm(x))).double()
+    if x.dtype is torch.float64:
+        return torch.cat((row, row[2:]))
+    wide = x.double()
+    return torch.cat((row, torch.stack((wide.sum(), torch.linalg.vector_norm(wide)))))
+
+
+def finish_row(values, n: int) -> tuple:
+    """The statistics of a `device_row` brought to the host: the float64 sums where the
+    float32 ones overflowed."""
+    high, low, total, norm, total64, norm64 = values
+    if _overflowed(high, low, total, norm):
+        total, norm = total64, norm64
+    return high, low, total / n, norm
+
+
+class DeviceBatch:
+    """The statistics rows of one batch on their way from a device to pinned host memory."""
+
+    def __init__(self, rows: list, cells: list, counts: list):
+        stacked = torch.stack(rows)
+        if stacked.is_cpu:  # CPU tensors sent this way (tests): nothing to wait for
+            self.host, self.event = stacked, None
+        else:
+            self.host, self.event = to_host(stacked)
+        self.cells, self.counts = cells, counts
+        self._lock = threading.Lock()
+        for cell in cells:
+            cell.batch = self
+
+    def finish(self) -> None:
+        """Wait for the copy and fill the cells (once; any thread)."""
+        with self._lock:
+            if self.cells is None:
+                return
+            if self.event is not None:
+                self.event.synchronize()
+            for cell, values, n in zip(self.cells, self.host.tolist(), self.counts):
+                cell.value = finish_row(values, n)
+                cell.batch = None
+            self.cells = self.host = self.event = None
+
+
+def to_host(x: torch.Tensor):
+    """A copy of device tensor `x` in pinned host memory, queued on the current stream without
+    waiting, and the event recorded after it: (host tensor, event). Read the host tensor only
+    after `event.synchronize()`."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    event = getattr(torch, x.device.type).Event()
+    event.record()
+    return host, event
+
+
+def _overflowed(high: float, low: float, total: float, squares: float) -> bool:
+    """A float32 sum (or sum of squares) went infinite while every element is finite."""
+    return not (math.isfinite(total) and math.isfinite(squares)) and \
+        math.isfinite(high) and math.isfinite(low)
+
+
+def is_dense(x: torch.Tensor) -> bool:
+    """Whether `x`'s elements fill its memory densely in some order (contiguous, transposed,
+    permuted)."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def dense_flat(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a 1-D tensor over the same memory when its elements fill it densely in some order
+    (contiguous, transposed, permuted), else a contiguous copy."""
+    if x.is_contiguous():
+        return x.view(-1)
+    if is_dense(x):
+        return x.as_strided((x.numel(),), (1,))
+    return x.reshape(-1)

@@ -1,0 +1,168 @@
+"""Statistics computed in batches give the numbers of one tensor at a time, bit for bit.
+
+The CPU path batches max and min of small tensors (`reduceat` over their concatenation) and keeps
+numpy's own `add.reduce` and `dot` per tensor; the accelerator path runs the same torch code as
+before on the device and brings all rows of a batch back in one copy. Both are checked here on
+CPU tensors against the per-tensor formulas the probe used before batching.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from atb_probe.capture.statistics import Stat, compute, dense_flat, device_batch, prepare
+
+
+def _numpy_one(t: torch.Tensor):
+    """The CPU formula, one tensor at a time (the probe's statistics before batching)."""
+    x = prepare(t)
+    if x.is_contiguous():
+        a = x.numpy().reshape(-1)
+    elif _dense(x):  # storage order
+        a = x.as_strided((x.numel(),), (1,)).numpy()
+    else:
+        a = x.reshape(-1).numpy()
+    with np.errstate(all="ignore"):
+        high, low = float(np.maximum.reduce(a)), float(np.minimum.reduce(a))
+        total, squares = float(np.add.reduce(a)), float(np.dot(a, a))
+        if not (math.isfinite(total) and math.isfinite(squares)) and math.isfinite(high) \
+                and math.isfinite(low):
+            a = a.astype(np.float64)
+            total, squares = float(np.add.reduce(a)), float(np.dot(a, a))
+    return high, low, total / a.size, math.sqrt(squares)
+
+
+def _torch_one(t: torch.Tensor):
+    """The accelerator formula, one tensor at a time, with a host transfer per tensor."""
+    x = dense_flat(prepare(t))  # storage order, as before
+    low, high = torch.aminmax(x)
+    high, low, total, norm = torch.stack((high, low, x.sum(),
+                                          torch.linalg.vector_norm(x))).double().tolist()
+    if not (math.isfinite(total) and math.isfinite(norm)) and math.isfinite(high) \
+            and math.isfinite(low):
+        wide = x.double()
+        total, norm = torch.stack((wide.sum(), torch.linalg.vector_norm(wide))).tolist()
+    return high, low, total / x.numel(), norm
+
+
+def _dense(x: torch.Tensor) -> bool:
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda p: p[1]):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
+
+
+def _tensors(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in (1, 2, 3, 7, 64, 255, 256, 1000, 4096, 4097, 30000):
+        out.append(torch.randn(n, generator=g) * 10 ** float(torch.randint(-3, 4, (1,), generator=g)))
+    base = torch.randn(48, 64, generator=g)
+    out += [base.t(), base[:, ::2], base.view(64, 48)[3:40], base.double(),
+            base.to(torch.bfloat16), base.half(), (base > 0), (base * 100).long(),
+            (base * 10).to(torch.int8), torch.complex(base, -base), torch._neg_view(base),
+            torch.tensor([0.0, -0.0, 0.0]), torch.tensor([-0.0, 0.0]),
+            torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([float("inf"), -1.0]),
+            torch.full((100,), 3e19), torch.full((5000,), -4e19)]  # float32 sums overflow
+    return out
+
+
+def _cells(n: int) -> list[Stat]:
+    return [Stat() for _ in range(n)]
+
+
+def _same(a, b) -> bool:
+    """Bit-identical tuples of floats (nan equal to nan, -0.0 told from 0.0)."""
+    return [repr(float(x)) for x in a] == [repr(float(x)) for x in b]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_batch_gives_each_tensor_its_own_statistics_bit_for_bit(seed):
+    tensors = _tensors(seed)
+    order = torch.randperm(len(tensors), generator=torch.Generator().manual_seed(seed)).tolist()
+    tensors = [tensors[i] for i in order]
+    cells = _cells(len(tensors))
+    compute(tensors, cells)
+    for t, cell in zip(tensors, cells):
+        assert _same(cell.get(), _numpy_one(t)), (t.dtype, tuple(t.shape))
+
+
+def test_small_tensors_batched_together_keep_signed_zeros_and_nan():
+    tensors = [torch.tensor([0.0, -0.0]), torch.tensor([-0.0, 0.0]), torch.tensor([-0.0]),
+               torch.tensor([float("nan"), 1.0]), torch.tensor([2.0, float("nan")]),
+               torch.tensor([-0.0, -0.0, 0.0, -0.0])]
+    cells = _cells(len(tensors))
+    compute(tensors, cells)
+    for c, t in zip(cells, tensors):
+        assert _same(c.get(), _numpy_one(t))
+
+
+def test_float32_overflow_falls_back_to_float64_sums():
+    t = torch.full((1000,), 1e20)
+    cells = _cells(1)
+    compute([t], cells)
+    high, low, mean, norm = cells[0].get()
+    assert math.isfinite(mean) and math.isfinite(norm)
+    assert mean == pytest.approx(1e20) and norm == pytest.approx(1e20 * math.sqrt(1000))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_device_path_gives_the_per_tensor_device_formula_bit_for_bit(seed):
+    """The device code run on CPU tensors: one stacked transfer for the whole batch gives what
+    a transfer per tensor gave (the float64 fallback included)."""
+    tensors = _tensors(seed)
+    cells = _cells(len(tensors))
+    device_batch([prepare(t) for t in tensors], cells)
+    for t, cell in zip(tensors, cells):
+        assert _same(cell.get(), _torch_one(t)), (t.dtype, tuple(t.shape))
+
+
+def test_device_and_host_paths_agree_to_float32_rounding():
+    tensors = _tensors(3)
+    host, device = _cells(len(tensors)), _cells(len(tensors))
+    compute(tensors, host)
+    device_batch([prepare(t) for t in tensors], device)
+    for t, a, b in zip(tensors, host, device):
+        assert a.get() == pytest.approx(b.get(), rel=1e-4, abs=1e-5, nan_ok=True), t.dtype
+
+
+def test_a_device_batch_is_read_once_whatever_thread_asks():
+    import threading
+    tensors = [torch.randn(10) for _ in range(20)]
+    cells = _cells(len(tensors))
+    device_batch([prepare(t) for t in tensors], cells)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append([c.get() for c in cells]))
+               for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert all(g == got[0] for g in got) and all(c.batch is None for c in cells)
+
+
+def test_the_device_path_through_the_whole_probe_gives_the_golden_statistics(tmp_path,
+                                                                            monkeypatch):
+    """Every statistic routed through the accelerator code (device rows, one stacked copy, cells
+    filled when the writer formats the rows) on the exact-arithmetic model of the golden dump:
+    max, min and mean as the golden csv says; the norm, a float32 square root on that path,
+    to float32 precision."""
+    from atb_probe.capture import statscache
+    from test_dump_golden import CONFIGS, _golden, make_dump
+
+    monkeypatch.setattr(statscache, "compute",
+                        lambda tensors, cells: device_batch([prepare(t) for t in tensors], cells))
+    got = make_dump(tmp_path, CONFIGS["stat-child"])["csv"]
+    want = _golden()["stat-child"]["csv"]
+    assert sorted(got) == sorted(want)
+    for path, rows in want.items():
+        assert len(got[path]) == len(rows)
+        for a, b in zip(got[path][1:], rows[1:]):
+            assert a[:12] == b[:12] and a[14] == b[14], (a, b)
+            assert float(a[13]) == pytest.approx(float(b[13]), rel=1e-6), (a, b)
