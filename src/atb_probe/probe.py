@@ -9,8 +9,8 @@ configuration is published as an immutable `Selection`; a round reads it once, w
 so every round is dumped under one configuration (SPEC §4). The thread is woken at the end of
 every dumped round, so the status file trails the model by a few tens of ms.
 
-The capture side (`capture/`) calls back into the probe from the model's threads: `selection`,
-`next_round`, `decide_device`, `devpid`, `round_dumped`, `woken`, `report`, `writer`, `tree`.
+The capture side (`capture/`) sees the probe as a `rounds.RoundSource` (`start_round`,
+`round_dumped`, `report`), called from the model's threads, and writes to `writer`.
 
 Locks: `_lock` guards `rounds_dumped` and the decision of `device` (taken by model threads);
 `status.lock` is held, inside `_lock`, while `devpid` changes, so that no status write sees the
@@ -37,6 +37,7 @@ from .process.identity import local_rank, proc_start
 from .process.statusfile import StatusFile, utc_now
 from .record.safefs import SafeTree
 from .record.writer import Writer
+from .rounds import RoundStart
 from .selection import Selection
 
 POLL_SECONDS = 0.2
@@ -92,7 +93,7 @@ class Probe:
     def start(self) -> None:
         """Attach: read the config once now (so it governs the very first round), then watch."""
         from .capture.calltree import Engine
-        self.engine = Engine(self)
+        self.engine = Engine(self, self.writer)
         if self._fixed_config is not None:
             cfg = self._fixed_config
             if isinstance(cfg, dict):
@@ -181,6 +182,17 @@ class Probe:
         self._kick.set()
 
     # -- rounds and device ------------------------------------------------------------------
+
+    def start_round(self, module, args: tuple, kwargs: dict) -> RoundStart:
+        """A root call begins a round (`rounds.RoundSource`): its index, the selection in
+        effect, and whether exec_range and device select it. Once the writer has stopped (disk
+        full, I/O error) no round is dumped."""
+        selection = self.selection
+        index = self.next_round()
+        device = self.decide_device(module, args, kwargs)
+        dumping = selection is not None and selection.round_selected(index, device) \
+            and not self.writer.failed
+        return RoundStart(index, selection, self.devpid, dumping)
 
     def next_round(self) -> int:
         """The index of the round a root call starts (0, 1, 2... in this process)."""

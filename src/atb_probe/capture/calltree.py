@@ -32,8 +32,9 @@ import weakref
 import torch
 from torch import nn
 
-from .. import log
+from .. import layout, log
 from ..naming import sanitize
+from ..rounds import RoundSource, RoundStart
 from ..selection import LayerPlan, SKIP_LAYER
 from .arguments import bind_args, forward_params
 from .kernels import KernelCapture, kernel_info
@@ -103,7 +104,7 @@ class Frame:
 
     __slots__ = ("op_id", "name", "full_name", "rel", "children", "dump", "dump_children",
                  "passthrough", "track", "container", "nodes", "layer", "inputs", "outputs",
-                 "param", "reuse", "path", "shards")
+                 "param", "writes_args", "inputs_seen", "path", "shards")
 
     def __init__(self, op_id="", name="", full_name="", rel="", dump=False, dump_children=False,
                  passthrough=True, track=False, container=False, layer=None, path=None):
@@ -122,7 +123,8 @@ class Frame:
         self.inputs = 0               # number of input tensors (for structure files)
         self.outputs = 0
         self.param = None             # op_param.json content, once known
-        self.reuse = None             # kernels: statistics of inputs for the outputs (statscache)
+        self.writes_args = False      # kernels: writes to its arguments (so their values change)
+        self.inputs_seen = None       # kernels: what the inputs' statistics leave for the outputs
         self.path = path              # modules: the attribute path from the root (modulePath)
         self.shards = None            # DTensor layouts by file name, for op_param.json
 
@@ -130,15 +132,16 @@ class Frame:
 class Round:
     """One root call: its number, the configuration it runs under, and its progress."""
 
-    __slots__ = ("index", "selection", "config", "rel", "dumping", "layer_count", "layer_nodes",
-                 "layer_names", "phase", "root_module", "model", "selected")
+    __slots__ = ("index", "selection", "config", "devpid", "rel", "dumping", "layer_count",
+                 "layer_nodes", "layer_names", "phase", "root_module", "model", "selected")
 
-    def __init__(self, index, selection, rel, dumping, model=None):
-        self.index = index
-        self.selection = selection
-        self.config = selection.config if selection is not None else None
-        self.rel = rel
-        self.dumping = dumping
+    def __init__(self, start: RoundStart, model: Model):
+        self.index = start.index
+        self.selection = start.selection
+        self.config = start.selection.config if start.selection is not None else None
+        self.devpid = start.devpid
+        self.rel = layout.round_dir(start.devpid, start.index)  # the round's folder
+        self.dumping = start.dumping
         self.layer_count = 0
         self.layer_nodes = []
         self.layer_names = []      # the distinct layer-level op names, in order (for warnings)
@@ -175,10 +178,10 @@ _PASS = Frame()
 class Engine:
     """Installs the `__call__` wrapper and walks the call tree for one `Probe`."""
 
-    def __init__(self, probe):
-        self.probe = probe
+    def __init__(self, source: RoundSource, sink):
+        self.source = source
         self.tls = _ThreadState()
-        self.recorder = Recorder(probe)
+        self.recorder = Recorder(sink)
         self._infos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._model_counts: dict[str, int] = {}
@@ -246,11 +249,13 @@ class Engine:
         self._sleep_requested = False
 
     def after_fork(self) -> None:
-        """In a forked child only the forking thread survives: start its stack afresh."""
+        """In a forked child only the forking thread survives: start its stack afresh; its
+        rounds and structure files are its own."""
         self.tls.stack.clear()
         self.tls.round = None
         self._lock = threading.Lock()
         self.active_rounds = 0
+        self.recorder.after_fork(list(self._models.values()))
 
     @property
     def original_call(self):
@@ -303,7 +308,7 @@ class Engine:
                 rnd = self.begin_round(module, args, kwargs)
                 frame = Frame(container=True, passthrough=not rnd.dumping)
         except Exception as exc:
-            self.probe.report(exc)
+            self.source.report(exc)
             frame = _PASS
         stack.append(frame)
         try:
@@ -317,17 +322,12 @@ class Engine:
                 self.end_round(rnd)
 
     def begin_round(self, module, args, kwargs) -> Round:
-        probe = self.probe
-        selection = probe.selection
-        index = probe.next_round()
+        start = self.source.start_round(module, args, kwargs)
         with self._lock:
             self.active_rounds += 1
-        device = probe.decide_device(module, args, kwargs)
-        # Once the writer has stopped (disk full, I/O error) nothing more is captured.
-        dumping = selection is not None and selection.round_selected(index, device) \
-            and not probe.writer.failed
+        dumping = start.dumping
         model = self.model(module)
-        rnd = Round(index, selection, f"data/{probe.devpid}/{index}", dumping, model)
+        rnd = Round(start, model)
         self.tls.round = rnd
         if dumping:
             rnd.root_module = module
@@ -352,10 +352,11 @@ class Engine:
         try:
             if rnd.dumping:
                 self.recorder.end_round(rnd)
+                self.source.round_dumped()
                 if not rnd.selected:
                     self._warn_unmatched(rnd)
         except Exception as exc:
-            self.probe.report(exc)
+            self.source.report(exc)
         finally:
             # Checked and done under one lock: a wake-up (install) in between must win.
             with self._lock:
@@ -388,7 +389,7 @@ class Engine:
         try:
             frame, mode = self.enter(rnd, parent, module, args, kwargs)
         except Exception as exc:
-            self.probe.report(exc)
+            self.source.report(exc)
             frame = None
         if frame is None:
             return original(module, *args, **kwargs)
@@ -409,7 +410,7 @@ class Engine:
         try:
             self.leave(rnd, parent, frame, out)
         except Exception as exc:
-            self.probe.report(exc)
+            self.source.report(exc)
         return out
 
     def enter(self, rnd: Round, parent: Frame, module, args, kwargs):
@@ -424,8 +425,9 @@ class Engine:
         full_name = f"{parent.full_name}/{info.name}"
         dump, dump_children = rnd.selection.child_selected(op_id, full_name, info.name,
                                                            parent.dump_children)
-        frame = Frame(op_id, info.name, full_name, f"{parent.rel}/{index}_{info.name}", dump,
-                      dump_children, passthrough=False, track=True, layer=parent.layer)
+        frame = Frame(op_id, info.name, full_name,
+                      layout.child_op_dir(parent.rel, index, info.name), dump, dump_children,
+                      passthrough=False, track=True, layer=parent.layer)
         if dump:
             rnd.selected += 1
         if frame.dump or frame.layer.collect:  # else nothing to record: skip the context
@@ -446,7 +448,7 @@ class Engine:
             rnd.selected += 1
         layer = LayerRun(self.recorder.wants_structure(rnd, info.name, op_id, plan.track_children),
                          deferred=plan.track_children)
-        frame = Frame(op_id, info.name, info.name, f"{op_id}_{info.name}", plan.dump,
+        frame = Frame(op_id, info.name, info.name, layout.op_folder(op_id, info.name), plan.dump,
                       plan.dump_children, passthrough=not plan.track_children,
                       track=plan.track_children, layer=layer, path=rnd.model.paths.get(module))
         self.recorder.module_inputs(rnd, frame, module, info, args, kwargs, named=False)
@@ -491,16 +493,16 @@ class Engine:
             # filter_level 1 may refer to): the kernel only takes its ID.
             record = dump or top.layer.collect
             if record or written:
-                frame = Frame(op_id, kname, full_name, f"{top.rel}/{index}_{kname}", dump,
-                              False, passthrough=True, track=False, layer=top.layer)
-                frame.reuse = not written  # a kernel writing its arguments changes their values
+                frame = Frame(op_id, kname, full_name, layout.child_op_dir(top.rel, index, kname),
+                              dump, False, passthrough=True, track=False, layer=top.layer)
+                frame.writes_args = bool(written)
                 pairs = bind_args(params, args, kwargs)
                 if record:
                     self.recorder.kernel_inputs(rnd, frame, op_name, pairs)
                 if written:
                     self.recorder.forget_written(frame.layer, pairs, written)
         except Exception as exc:
-            self.probe.report(exc)
+            self.source.report(exc)
             frame = None
         out = func(*args, **kwargs)
         if frame is not None:
@@ -511,7 +513,7 @@ class Engine:
                     self.recorder.kernel_outputs(rnd, frame, out)
                     self.recorder.child_done(top, frame)
             except Exception as exc:
-                self.probe.report(exc)
+                self.source.report(exc)
         return out
 
 

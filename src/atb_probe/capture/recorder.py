@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from .. import log
+from .. import layout, log
 from ..binfile import encode_header, encode_reference
 from ..naming import sanitize
 from ..statcsv import FILE_NAME as CSV_FILE, HEADER, NA, SideRows
@@ -36,10 +36,10 @@ MAX_PENDING_BYTES = 64 * 1024 ** 2
 
 
 class Recorder:
-    """Writes what the call tree decided to dump, for one probe."""
+    """Writes what the call tree decided to dump to `sink` (the probe's background writer)."""
 
-    def __init__(self, probe):
-        self.probe = probe
+    def __init__(self, sink):
+        self.sink = sink
         self._static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # (model name, layer name, id) -> nodes written in that layer's structure file
         self._layer_files: dict[tuple[str, str, str], int] = {}
@@ -86,7 +86,7 @@ class Recorder:
                 doc["outputs"] = labels
                 if frame.shards:
                     doc["dtensors"] = frame.shards
-                self.probe.writer.put_json(f"{rnd.rel}/{frame.rel}", "op_param.json", doc)
+                self.sink.put_json(f"{rnd.rel}/{frame.rel}", layout.OP_PARAM, doc)
 
     def static_param(self, module) -> dict:
         """The module's configuration: class, extra_repr, dtype and parameter shapes."""
@@ -145,7 +145,7 @@ class Recorder:
                 frame.param["outputs"] = [f"outtensor{i}" for i in range(len(items))]
                 if frame.shards:
                     frame.param["dtensors"] = frame.shards
-                self.probe.writer.put_json(f"{rnd.rel}/{frame.rel}", "op_param.json",
+                self.sink.put_json(f"{rnd.rel}/{frame.rel}", layout.OP_PARAM,
                                            frame.param)
 
     def forget_written(self, layer, pairs, written: tuple) -> None:
@@ -191,11 +191,11 @@ class Recorder:
             if not kernel:
                 stats, _ = self.stats.side(queue, tensors)
             elif side == "input":
-                stats, frame.reuse = self.stats.side(queue, tensors,
-                                                     remember_inputs=frame.reuse)
+                stats, frame.inputs_seen = self.stats.side(
+                    queue, tensors, remember_inputs=not frame.writes_args)
             else:
                 stats, _ = self.stats.side(queue, tensors, kernel_output=True,
-                                           inputs_seen=frame.reuse)
+                                           inputs_seen=frame.inputs_seen)
             # Deferred only where every in-place kernel is seen (see forget_written).
             if layer is None or not layer.deferred or queue.nbytes > MAX_PENDING_BYTES:
                 queue.resolve()
@@ -213,20 +213,20 @@ class Recorder:
                 labels.append(index)
                 rows.append((index, dt.csv_name, t.shape, st, NA))
         if rows:
-            record = SideRows((self.probe.devpid, str(rnd.index), frame.full_name, frame.name,
+            record = SideRows((rnd.devpid, str(rnd.index), frame.full_name, frame.name,
                                frame.op_id, side), rows)
             if layer is not None:
                 layer.rows.append(record)
             else:
-                self.probe.writer.put_records(rnd.rel, CSV_FILE, [record], HEADER)
+                self.sink.put_records(rnd.rel, CSV_FILE, [record], HEADER)
         return labels
 
     def _write_tensors(self, rnd, frame, side, kept, stats, named, kernel):
         """Queue the `.bin` files of one side (data, or references under filter_level 1 and 2);
         returns its statistic.csv rows and index labels."""
         cfg = rnd.config
-        probe = self.probe
-        prefix, sub = ("intensor", "before") if side == "input" else ("outtensor", "after")
+        sink = self.sink
+        sub = layout.side_dir(side)
         level = cfg.filter_level if cfg.save_child else 0
         header_only = kernel and level >= 2
         rows, labels = [], []
@@ -236,27 +236,24 @@ class Recorder:
             index = f"{i}_{_safe_label(label)}" if named and label else str(i)
             labels.append(index)
             dims = t.shape
-            fname = f"{prefix}{index}.bin"
+            fname = layout.tensor_file(side, index)
             in_round = f"{frame.rel}/{sub}/{fname}"
             if header_only:
-                probe.writer.put_file(op_dir, fname, [encode_reference(dt.code, dims, in_round)],
-                                      0)
+                sink.put_file(op_dir, fname, [encode_reference(dt.code, dims, in_round)], 0)
             else:
                 key = same_bytes_key(t) if level >= 1 and t.numel() else None
                 target = _lookup(layer, key, t) if key and not (named and label) else None
                 if target is not None:
-                    probe.writer.put_file(op_dir, fname,
-                                          [encode_reference(dt.code, dims, target)], 0)
+                    sink.put_file(op_dir, fname, [encode_reference(dt.code, dims, target)], 0)
                     # This alias keeps the storage alive now, maybe after the first one died.
                     layer.written[key] = (weakref.ref(t), target)
                 else:
                     data, ready = host_bytes(t)
-                    probe.writer.put_file(op_dir, fname,
-                                          [encode_header(dt.code, dims, data.nbytes), data],
-                                          data.nbytes, ready)
+                    sink.put_file(op_dir, fname, [encode_header(dt.code, dims, data.nbytes), data],
+                                  data.nbytes, ready)
                     if key is not None and layer is not None:
                         layer.written[key] = (weakref.ref(t), in_round)
-            rows.append((index, dt.csv_name, dims, st, f"{probe.tree.root}/{op_dir}/{fname}"))
+            rows.append((index, dt.csv_name, dims, st, f"{sink.tree.root}/{op_dir}/{fname}"))
         return rows, labels
 
     # -- structure files --------------------------------------------------------------------
@@ -278,7 +275,7 @@ class Recorder:
             layer.pending.resolve()
         if layer.rows:
             rows, layer.rows = layer.rows, []
-            self.probe.writer.put_records(rnd.rel, CSV_FILE, rows, HEADER)
+            self.sink.put_records(rnd.rel, CSV_FILE, rows, HEADER)
 
     def layer_done(self, rnd, frame) -> None:
         collect = frame.layer.collect
@@ -295,27 +292,31 @@ class Recorder:
                 if self._layer_files.get(key, -1) >= count:
                     return
                 self._layer_files[key] = count
-            folder = f"info/layer/{self.probe.devpid}"
-            if not model.first:
-                folder += f"/{model.name}"
-            self.probe.writer.put_json(folder, f"{frame.name}_{frame.op_id}.json", node)
+            folder = layout.layer_info_dir(rnd.devpid, None if model.first else model.name)
+            self.sink.put_json(folder, layout.layer_info_file(frame.name, frame.op_id), node)
 
     def end_round(self, rnd) -> None:
         """The round's model file (SPEC §5): written at the first round of its model and phase
         that had layer-level ops; its `rounds` grow with every later round of that phase."""
-        self.probe.round_dumped()
         model = rnd.model
         with self._structure_lock:  # threads serving one model end rounds side by side
             file = model.phases.get(rnd.phase)
             if file is None:
                 if not rnd.layer_nodes:
                     return
-                file = model.phases[rnd.phase] = ModelFile({
+                file = model.phases[rnd.phase] = ModelFile(layout.model_info_dir(rnd.devpid), {
                     "modelName": f"{model.name}_{rnd.phase}", "modelType": model.name,
                     "phase": rnd.phase, "param": _model_param(rnd.root_module), "rounds": [],
                     "nodes": rnd.layer_nodes})
             if file.add_round(rnd.index):
                 self._write_model_file(file)
+
+    def after_fork(self, models) -> None:
+        """A forked child writes structure files of its own, into its own folders."""
+        self._structure_lock = threading.Lock()
+        self._layer_files.clear()
+        for model in models:
+            model.phases.clear()
 
     def flush_model_files(self, models) -> None:
         """Write the model files whose `rounds` changed since they were last written."""
@@ -331,8 +332,8 @@ class Recorder:
         file.written_at = time.monotonic()
         # Serialised later, on the writer thread: hand over a copy of what keeps changing.
         doc = dict(file.doc, rounds=[list(r) for r in file.doc["rounds"]])
-        self.probe.writer.put_json(f"info/model/{self.probe.devpid}",
-                                   f"{doc['modelName']}.json", doc)
+        self.sink.put_json(file.folder, layout.model_info_file(doc["modelType"], doc["phase"]),
+                           doc)
 
 
 class ModelFile:
@@ -343,9 +344,10 @@ class ModelFile:
     the file dirty, and it is rewritten at most every `MODEL_FILE_SECONDS` and when the probe
     closes, so a decode loop does not rewrite it on every token."""
 
-    __slots__ = ("doc", "dirty", "written_at")
+    __slots__ = ("folder", "doc", "dirty", "written_at")
 
-    def __init__(self, doc: dict):
+    def __init__(self, folder: str, doc: dict):
+        self.folder = folder  # info/model/<dev>_<pid>
         self.doc = doc
         self.dirty = False
         self.written_at = 0.0

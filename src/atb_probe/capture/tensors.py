@@ -18,13 +18,9 @@ _BY_DTYPE: dict = {getattr(torch, d.torch_name): d for d in BY_TORCH_NAME.values
                    if hasattr(torch, d.torch_name)}
 
 
-def dtype_of(t: torch.Tensor) -> DType | None:
-    """The table entry of a tensor's dtype; None for dtypes the format cannot hold."""
-    return _BY_DTYPE.get(t.dtype)
-
-
-def dumpable_dtype(t):
-    """The table entry of a tensor's dtype when the tensor can be dumped (`is_dumpable`), else
+def dumpable_dtype(t) -> DType | None:
+    """The table entry of a tensor's dtype when the tensor can be dumped: a real, dense tensor
+    whose bytes can be read (not meta, fake, sparse or nested) of a dtype the format holds; else
     None."""
     cls = type(t)
     if cls is not torch.Tensor and cls is not torch.nn.Parameter:
@@ -32,14 +28,6 @@ def dumpable_dtype(t):
     if t.layout is not torch.strided or t.is_meta or t.is_nested:
         return None
     return _BY_DTYPE.get(t.dtype)
-
-
-def is_dumpable(t) -> bool:
-    """A real, dense tensor whose bytes can be read (not meta/fake/sparse/nested)."""
-    cls = type(t)
-    if cls is not torch.Tensor and cls is not torch.nn.Parameter:
-        return False
-    return t.layout is torch.strided and not t.is_meta and not t.is_nested
 
 
 def local_of(t) -> tuple[object, dict | None]:
