@@ -25,6 +25,7 @@ stance), so the modules and kernels it would hide are seen; other rounds run it 
 """
 from __future__ import annotations
 
+import enum
 import sys
 import threading
 import weakref
@@ -99,15 +100,28 @@ def _uncompiled(module: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else module
 
 
+class Below(enum.Enum):
+    """What happens to the module calls made inside an op (a frame on the op stack)."""
+
+    PASS = "pass"            # straight to the original __call__: nothing below is seen
+    CONTAINER = "container"  # the container rule: containers, or layer-level ops (SPEC §1)
+    TRACK = "track"          # children: IDs handed out, kernels captured
+
+
+_PASS, _CONTAINER, _TRACK = Below.PASS, Below.CONTAINER, Below.TRACK
+
+
 class Frame:
-    """One op execution on a thread's op stack."""
+    """One op execution on a thread's op stack: where it is, what the selection wants of it
+    (`dump` its own tensors, `dump_children` everything below), what happens `below` it, and
+    what it has recorded so far."""
 
     __slots__ = ("op_id", "name", "full_name", "rel", "children", "dump", "dump_children",
-                 "passthrough", "track", "container", "nodes", "layer", "inputs", "outputs",
-                 "param", "writes_args", "inputs_seen", "path", "shards")
+                 "below", "nodes", "layer", "inputs", "outputs", "param", "writes_args",
+                 "inputs_seen", "path", "shards")
 
     def __init__(self, op_id="", name="", full_name="", rel="", dump=False, dump_children=False,
-                 passthrough=True, track=False, container=False, layer=None, path=None):
+                 below=_PASS, layer=None, path=None):
         self.op_id = op_id
         self.name = name
         self.full_name = full_name
@@ -115,9 +129,7 @@ class Frame:
         self.children = 0             # child IDs handed out so far
         self.dump = dump
         self.dump_children = dump_children
-        self.passthrough = passthrough  # calls below go straight to the original __call__
-        self.track = track
-        self.container = container
+        self.below = below
         self.nodes = None             # structure of the children, when collected
         self.layer = layer            # the enclosing layer-level op execution
         self.inputs = 0               # number of input tensors (for structure files)
@@ -172,7 +184,7 @@ class _ThreadState(threading.local):
         self.round: Round | None = None
 
 
-_PASS = Frame()
+_PASS_FRAME = Frame()
 
 
 class Engine:
@@ -207,7 +219,7 @@ class Engine:
                 stack = tls.stack
                 if stack:
                     top = stack[-1]
-                    if top.passthrough:
+                    if top.below is _PASS:
                         return original(module, *args, **kwargs)
                     return engine.child_call(top, module, args, kwargs)
                 if engine._wrapper is not __call__:
@@ -303,13 +315,13 @@ class Engine:
             # Once sleep is requested no new round starts, so the running ones drain and the
             # original __call__ goes back even while other threads keep calling the model.
             if self._sleep_requested or _joined_mid_call() or torch.compiler.is_compiling():
-                frame = _PASS
+                frame = _PASS_FRAME
             else:
                 rnd = self.begin_round(module, args, kwargs)
-                frame = Frame(container=True, passthrough=not rnd.dumping)
+                frame = Frame(below=_CONTAINER if rnd.dumping else _PASS)
         except Exception as exc:
             self.source.report(exc)
-            frame = _PASS
+            frame = _PASS_FRAME
         stack.append(frame)
         try:
             if rnd is not None and rnd.dumping and _FORCE_EAGER is not None:
@@ -400,7 +412,7 @@ class Engine:
         try:
             out = original(module, *args, **kwargs)
         except BaseException:
-            if parent.container and frame.layer is not None:
+            if parent.below is _CONTAINER and frame.layer is not None:
                 self.recorder.flush_rows(rnd, frame.layer)  # what ran is still recorded
             raise
         finally:
@@ -415,9 +427,9 @@ class Engine:
 
     def enter(self, rnd: Round, parent: Frame, module, args, kwargs):
         info = self.info(module)
-        if parent.container:
+        if parent.below is _CONTAINER:
             if info.is_container:
-                return Frame(container=True, passthrough=False), None
+                return Frame(below=_CONTAINER), None
             return self.enter_layer(rnd, module, info, args, kwargs)
         index = parent.children
         parent.children += 1
@@ -427,7 +439,7 @@ class Engine:
                                                            parent.dump_children)
         frame = Frame(op_id, info.name, full_name,
                       layout.child_op_dir(parent.rel, index, info.name), dump, dump_children,
-                      passthrough=False, track=True, layer=parent.layer)
+                      _TRACK, parent.layer)
         if dump:
             rnd.selected += 1
         if frame.dump or frame.layer.collect:  # else nothing to record: skip the context
@@ -449,16 +461,16 @@ class Engine:
         layer = LayerRun(self.recorder.wants_structure(rnd, info.name, op_id, plan.track_children),
                          deferred=plan.track_children)
         frame = Frame(op_id, info.name, info.name, layout.op_folder(op_id, info.name), plan.dump,
-                      plan.dump_children, passthrough=not plan.track_children,
-                      track=plan.track_children, layer=layer, path=rnd.model.paths.get(module))
+                      plan.dump_children, _TRACK if plan.track_children else _PASS, layer,
+                      rnd.model.paths.get(module))
         self.recorder.module_inputs(rnd, frame, module, info, args, kwargs, named=False)
         mode = KernelCapture(self) if plan.track_children else None
         return frame, mode
 
     def leave(self, rnd: Round, parent: Frame, frame: Frame, out) -> None:
-        if frame.container and not frame.op_id:
+        if frame.below is _CONTAINER and not frame.op_id:
             return
-        is_layer = parent.container
+        is_layer = parent.below is _CONTAINER
         try:
             if frame.dump or (frame.layer is not None and frame.layer.collect):
                 with torch._C._DisableTorchDispatch():
@@ -476,7 +488,7 @@ class Engine:
     def kernel_call(self, func, args, kwargs):
         stack = self.tls.stack
         top = stack[-1] if stack else None
-        if top is None or not top.track:
+        if top is None or top.below is not _TRACK:
             return func(*args, **kwargs)
         rnd = self.tls.round
         frame = None
@@ -494,7 +506,7 @@ class Engine:
             record = dump or top.layer.collect
             if record or written:
                 frame = Frame(op_id, kname, full_name, layout.child_op_dir(top.rel, index, kname),
-                              dump, False, passthrough=True, track=False, layer=top.layer)
+                              dump, False, _PASS, top.layer)
                 frame.writes_args = bool(written)
                 pairs = bind_args(params, args, kwargs)
                 if record:
