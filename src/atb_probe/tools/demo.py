@@ -55,7 +55,8 @@ def run_demo(args) -> int:
     root = layout.dump_root(output)
     print(f"\ndump:    {root}")
     print_tree(root)
-    print("\nnext:    atb-probe show " + root + "\n         atb-probe status " + output)
+    print("\nnext:    atb-probe show " + root + "\n         atb-probe status " + output +
+          "\n         atb-probe scan " + root)
     return 0
 
 
