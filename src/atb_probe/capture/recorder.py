@@ -6,9 +6,10 @@ takes the IDs, looks the tensors' statistics up (statscache) and appends one `Si
 to the layer-level op execution's; statistics that are not known yet are queued and computed in
 one batch when the execution ends, or at once where the probe does not see the kernels that
 could change the tensors before then. Tensor files need a private copy of the bytes at once
-(on an accelerator: a copy to pinned memory that the writer waits for). The rows are handed to
-the writer at the end of each layer-level op execution; formatting, encoding and disk I/O
-happen there.
+(on an accelerator: a copy to pinned memory that the writer waits for). A layer-level op
+execution's rows join its round's at its end, and a round's rows are handed to the writer when
+the round ends (sooner in a long round: `_RoundRows`); formatting, encoding and disk I/O happen
+there.
 """
 from __future__ import annotations
 
@@ -341,8 +342,10 @@ class Recorder:
                 self._write_model_file(file)
 
     def after_fork(self, models) -> None:
-        """A forked child writes structure files of its own, into its own folders."""
+        """A forked child writes structure files of its own, into its own folders. Rows the
+        forking thread had waiting are the parent's to write."""
         self._structure_lock = threading.Lock()
+        self._round_rows = _RoundRows()
         self._layer_files.clear()
         for model in models:
             model.phases.clear()

@@ -134,8 +134,8 @@ def _one_quiet(a) -> tuple:
     Max and min never do (nan and inf included). With both finite and every element under
     `sqrt(largest / size)` in magnitude, neither the sum nor the sum of squares can overflow
     or meet inf - inf; numpy's default error state ignores underflow. So when the thread's
-    error state is numpy's default, the sums run without the context (about a microsecond
-    per call); anything else (nan, inf, huge values, a state the user set) takes it."""
+    error state is numpy's default, the sums run without the context (about half a
+    microsecond per call); anything else (nan, inf, huge values, a state the user set) takes it."""
     high, low = float(_max(a)), float(_min(a))
     limit = _LIMITS.get(a.dtype.char, 0.0) / math.sqrt(a.size)
     if -limit < low and high < limit and _default_errstate():
