@@ -8,6 +8,7 @@ CPU tensors against the per-tensor formulas the probe used before batching.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -166,3 +167,32 @@ def test_the_device_path_through_the_whole_probe_gives_the_golden_statistics(tmp
         for a, b in zip(got[path][1:], rows[1:]):
             assert a[:12] == b[:12] and a[14] == b[14], (a, b)
             assert float(a[13]) == pytest.approx(float(b[13]), rel=1e-6), (a, b)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_tensor_at_a_time_gives_the_per_tensor_formula_bit_for_bit(seed):
+    """The single-tensor path (an op side computed at once) skips numpy's error-state context
+    where nothing can overflow: the numbers stay the same, overflow and nan included."""
+    for t in _tensors(seed):
+        cells = _cells(1)
+        compute([t], cells)
+        assert _same(cells[0].get(), _numpy_one(t)), (t.dtype, tuple(t.shape))
+
+
+@pytest.mark.parametrize("values", [[3e19] * 100, [1.0, float("inf")], [float("inf"), -float("inf")],
+                                    [1.0, float("nan")], [1e-30, 2e-30]])
+def test_statistics_leave_the_users_numpy_error_state_alone(values):
+    """Neither warnings nor errors reach the user's code whatever numpy error state it set,
+    and that state is the same afterwards."""
+    t = torch.tensor(values)
+    with np.errstate(all="raise"):
+        cells = _cells(1)
+        compute([t], cells)  # raises FloatingPointError if a reduction runs unguarded
+        assert np.geterr() == {"divide": "raise", "over": "raise", "under": "raise",
+                               "invalid": "raise"}
+    assert _same(cells[0].get(), _numpy_one(t))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cells = _cells(1)
+        compute([t], cells)
+    assert _same(cells[0].get(), _numpy_one(t))

@@ -6,9 +6,10 @@ takes the IDs, looks the tensors' statistics up (statscache) and appends one `Si
 to the layer-level op execution's; statistics that are not known yet are queued and computed in
 one batch when the execution ends, or at once where the probe does not see the kernels that
 could change the tensors before then. Tensor files need a private copy of the bytes at once
-(on an accelerator: a copy to pinned memory that the writer waits for). The rows are handed to
-the writer at the end of each layer-level op execution; formatting, encoding and disk I/O
-happen there.
+(on an accelerator: a copy to pinned memory that the writer waits for). A layer-level op
+execution's rows join its round's at its end, and a round's rows are handed to the writer when
+the round ends (sooner in a long round: `_RoundRows`); formatting, encoding and disk I/O happen
+there.
 """
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ from ..naming import sanitize
 from ..statcsv import FILE_NAME as CSV_FILE, HEADER, NA, SideRows
 from .arguments import bind_args
 from .statscache import Queue, StatsCache
-from .tensors import (dumpable_dtype, flatten, host_bytes, local_of, may_hold_tensor,
-                      same_bytes_key)
+from .tensors import (DUMPABLE_DTYPES, dumpable_dtype, flatten, host_bytes, local_of,
+                      may_hold_tensor, same_bytes_key)
 
 MAX_PARAM_SHAPES = 256
+_STRIDED = torch.strided
 # Bytes of tensors a layer execution keeps alive for statistics computed at its end; beyond
 # this they are computed at once.
 MAX_PENDING_BYTES = 64 * 1024 ** 2
@@ -47,6 +49,7 @@ class Recorder:
         # concurrently when a server runs one model in several threads.
         self._structure_lock = threading.Lock()
         self.stats = StatsCache()
+        self._round_rows = _RoundRows()
 
     # -- module ops -------------------------------------------------------------------------
 
@@ -175,11 +178,16 @@ class Recorder:
         cfg = rnd.config
         kept, tensors = [], []
         for i, (label, t) in enumerate(items):
-            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-                t, meta = local_of(t)
-                if meta is not None:
-                    _describe_shard(frame, side, i, label if named else "", meta)
-            dt = dumpable_dtype(t)
+            cls = type(t)
+            if cls is torch.Tensor and t.layout is _STRIDED and not t.is_meta and \
+                    not t.is_nested:  # `dumpable_dtype` of a plain tensor, inline
+                dt = DUMPABLE_DTYPES.get(t.dtype)
+            else:
+                if cls is not torch.Tensor and cls is not torch.nn.Parameter:
+                    t, meta = local_of(t)
+                    if meta is not None:
+                        _describe_shard(frame, side, i, label if named else "", meta)
+                dt = dumpable_dtype(t)
             if dt is not None:
                 kept.append((i, label, t, dt))
                 tensors.append(t)
@@ -218,7 +226,7 @@ class Recorder:
             if layer is not None:
                 layer.rows.append(record)
             else:
-                self.sink.put_records(rnd.rel, CSV_FILE, [record], HEADER)
+                self._wait(rnd, [record])
         return labels
 
     def _write_tensors(self, rnd, frame, side, kept, stats, named, kernel):
@@ -269,13 +277,34 @@ class Recorder:
             parent.nodes.append(_node(frame))
 
     def flush_rows(self, rnd, layer) -> None:
-        """Compute a layer execution's pending statistics and hand its statistic.csv rows to
-        the writer, in execution order."""
+        """Compute a layer execution's pending statistics and queue its statistic.csv rows for
+        the writer, in execution order (see `_RoundRows`)."""
         if layer.pending is not None:
             layer.pending.resolve()
         if layer.rows:
             rows, layer.rows = layer.rows, []
-            self.sink.put_records(rnd.rel, CSV_FILE, rows, HEADER)
+            self._wait(rnd, rows)
+
+    def _wait(self, rnd, sides: list) -> None:
+        """Queue `sides` of round `rnd` behind this thread's waiting rows."""
+        waiting = self._round_rows
+        if waiting.rnd is not rnd:
+            self.hand_rows()
+            waiting.rnd, waiting.since = rnd, time.monotonic()
+        waiting.sides += sides
+        if len(waiting.sides) >= MAX_WAITING_SIDES or \
+                time.monotonic() - waiting.since >= MAX_WAITING_SECONDS:
+            self.hand_rows()
+
+    def hand_rows(self) -> None:
+        """Hand the rows this thread has waiting to the writer (see `_RoundRows`)."""
+        waiting = self._round_rows
+        rnd, sides = waiting.rnd, waiting.sides
+        if rnd is None:
+            return
+        waiting.rnd, waiting.sides = None, []
+        if sides:
+            self.sink.put_records(rnd.rel, CSV_FILE, sides, HEADER)
 
     def layer_done(self, rnd, frame) -> None:
         collect = frame.layer.collect
@@ -298,6 +327,7 @@ class Recorder:
     def end_round(self, rnd) -> None:
         """The round's model file (SPEC §5): written at the first round of its model and phase
         that had layer-level ops; its `rounds` grow with every later round of that phase."""
+        self.hand_rows()
         model = rnd.model
         with self._structure_lock:  # threads serving one model end rounds side by side
             file = model.phases.get(rnd.phase)
@@ -312,8 +342,10 @@ class Recorder:
                 self._write_model_file(file)
 
     def after_fork(self, models) -> None:
-        """A forked child writes structure files of its own, into its own folders."""
+        """A forked child writes structure files of its own, into its own folders. Rows the
+        forking thread had waiting are the parent's to write."""
         self._structure_lock = threading.Lock()
+        self._round_rows = _RoundRows()
         self._layer_files.clear()
         for model in models:
             model.phases.clear()
@@ -334,6 +366,26 @@ class Recorder:
         doc = dict(file.doc, rounds=[list(r) for r in file.doc["rounds"]])
         self.sink.put_json(file.folder, layout.model_info_file(doc["modelType"], doc["phase"]),
                            doc)
+
+
+class _RoundRows(threading.local):
+    """statistic.csv rows of a thread's round that wait to be handed to the writer in one
+    piece: one `put_records` (the writer's lock, its accounting) per round rather than per
+    layer-level op execution. They are handed over at the end of the round (whether the model
+    returned or raised), and sooner once `MAX_WAITING_SIDES` sides or `MAX_WAITING_SECONDS`
+    have gathered, so a long round keeps its rows flowing and what waits stays small (rows
+    hold no tensor data: only their shapes and statistics cells)."""
+
+    def __init__(self):
+        self.rnd = None     # the round whose rows wait, or None
+        self.sides: list = []
+        self.since = 0.0    # when the first of them was queued
+
+
+# Under the writer's own delay for rows (writer.ROWS_DELAY): the rows of a layer execution reach
+# the writer in about the same time as when they were handed over at its end.
+MAX_WAITING_SECONDS = 0.1
+MAX_WAITING_SIDES = 4096
 
 
 class ModelFile:
@@ -404,16 +456,29 @@ def _tensors_of(pairs, items: list) -> None:
     """`flatten` of each (name, value) pair into `items`, without rendering the other
     values as parameters."""
     for name, value in pairs:
+        cls = type(value)
+        if cls in _NO_TENSOR:
+            continue
         if isinstance(value, torch.Tensor):
             items.append((name, value))
-        elif type(value) is list or type(value) is tuple:
-            # Sizes and strides (lists of ints) are the common case: no tensor, nothing to do.
+        elif cls is list or cls is tuple:
+            # Sizes and strides (lists of ints) are the common case: no tensor, nothing to do;
+            # then a tuple of tensors (position embeddings), labelled as `flatten` does.
+            if value and all(type(v) is torch.Tensor for v in value):
+                items.extend([(f"{name}_{i}" if name else _INDEX[i] if i < 64 else str(i), v)
+                              for i, v in enumerate(value)])
+                continue
             for v in value:
                 if not isinstance(v, (int, float, bool)):
                     flatten(value, name, items, {}, name_items=True)
                     break
         elif may_hold_tensor(value):
             flatten(value, name, items, {}, name_items=True)
+
+
+# Argument types that never hold a tensor (`_tensors_of` skips them at once).
+_NO_TENSOR = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device,
+                        torch.layout, torch.memory_format})
 
 
 def _describe_shard(frame, side: str, i: int, label: str, meta: dict) -> None:

@@ -50,6 +50,7 @@ from .statistics import EMPTY, Stat, compute, is_dense
 from .tensors import storage_key
 
 MAX_ENTRIES = 4096
+_NO_KEY = object()  # `_lookup` did not compute the memory key
 
 
 def memory_key(t: torch.Tensor):
@@ -146,20 +147,33 @@ class StatsCache:
             cells = [self._output(t, queue, inputs_seen) for t in tensors]
             return cells, None
         cells = []
+        seen_get = self._seen.get
         for t in tensors:
-            cell = self._lookup(t, queue)
+            # The identity check of `_lookup`, inline: most inputs of an op are the tensors
+            # of the op before (the hidden state, position embeddings, weights).
+            seen = seen_get(id(t))
+            if seen is not None and seen[0]() is t and seen[3] == t.data_ptr() and \
+                    seen[1] == _version(t):
+                cell = seen[2]
+                batch = cell.batch
+                if batch is None or batch is queue or type(batch) is not Queue:
+                    cells.append(cell)
+                    continue
+            cell, key = self._lookup(t, queue)
             if cell is None:
                 cell = self._new(t, queue)
                 if cell is not EMPTY:
-                    self._keep(t, cell, memory_key(t))
+                    self._keep(t, cell, memory_key(t) if key is _NO_KEY else key)
             cells.append(cell)
         return cells, ((tensors, cells) if remember_inputs else None)
 
     def _lookup(self, t, queue: Queue):
-        """The cell of `t`'s values as they are, if known and usable here."""
+        """The cell of `t`'s values as they are, if known and usable here, else None; and
+        `t`'s memory key where it was computed on the way (else `_NO_KEY`)."""
         version = _version(t)
         if version is None:
-            return None
+            return None, None  # nothing is kept for it either (`_keep`)
+        key = _NO_KEY
         seen = self._seen.get(id(t))
         if seen is not None and seen[1] == version and seen[0]() is t and \
                 seen[3] == t.data_ptr():
@@ -168,13 +182,13 @@ class StatsCache:
             key = memory_key(t)
             entry = self._entries.get(key + (version,)) if key is not None else None
             if entry is None or entry[0]() is not _owner(t):
-                return None
+                return None, key
             cell = entry[1]
             self._remember(t, version, cell)
         batch = cell.batch
         if batch is not None and batch is not queue and type(batch) is Queue:
-            return None
-        return cell
+            return None, key
+        return cell, key
 
     def _output(self, t, queue: Queue, inputs_seen):
         """The cell of a kernel output: that of an input over the same memory (a view

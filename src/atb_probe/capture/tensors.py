@@ -14,8 +14,9 @@ import torch
 from ..dtypes import BY_TORCH_NAME, DType
 from .statistics import to_host
 
-_BY_DTYPE: dict = {getattr(torch, d.torch_name): d for d in BY_TORCH_NAME.values()
-                   if hasattr(torch, d.torch_name)}
+# torch dtype -> its table entry, for every dtype the format holds
+DUMPABLE_DTYPES: dict = {getattr(torch, d.torch_name): d for d in BY_TORCH_NAME.values()
+                         if hasattr(torch, d.torch_name)}
 
 
 def dumpable_dtype(t) -> DType | None:
@@ -27,7 +28,7 @@ def dumpable_dtype(t) -> DType | None:
         return None
     if t.layout is not torch.strided or t.is_meta or t.is_nested:
         return None
-    return _BY_DTYPE.get(t.dtype)
+    return DUMPABLE_DTYPES.get(t.dtype)
 
 
 def local_of(t) -> tuple[object, dict | None]:
