@@ -22,7 +22,7 @@ import torch
 from atb_probe.capture.device import device_id
 from atb_probe.probe import Probe
 from atb_probe.binread import load_tensor
-from conftest import SCRIPTS, config, read_csv, run_loaded, torchrun_loaded
+from conftest import config, read_csv, run_loaded, torchrun_loaded
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel"
 STEPS = 2
