@@ -148,8 +148,7 @@ class Recorder:
                 frame.param["outputs"] = [f"outtensor{i}" for i in range(len(items))]
                 if frame.shards:
                     frame.param["dtensors"] = frame.shards
-                self.sink.put_json(f"{rnd.rel}/{frame.rel}", layout.OP_PARAM,
-                                           frame.param)
+                self.sink.put_json(f"{rnd.rel}/{frame.rel}", layout.OP_PARAM, frame.param)
 
     def forget_written(self, layer, pairs, written: tuple) -> None:
         """An in-place kernel is about to change these tensors: statistics still pending are
