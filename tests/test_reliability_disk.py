@@ -29,7 +29,7 @@ import atb_probe
 from atb_probe.binfile import read_header
 from atb_probe.record.safefs import SafeTree
 from atb_probe.record.writer import Writer
-from atb_probe.statcsv import COLUMNS, HEADER, SideRows
+from atb_probe.statcsv import COLUMNS, HEADER
 
 from conftest import config, generate, tiny_llama
 
@@ -231,10 +231,9 @@ def test_disk_filled_by_another_writer_at_any_point_is_handled(mount_fs, monkeyp
     check_dump(fs.path / "atb_dump_data")
 
 
-def tensor_record(path: str, index: int = 0) -> SideRows:
-    """The statistic.csv row (`statcsv.SideRows`) of an op output written to `path`."""
-    return SideRows(("0_1", "0", "Op", "Op", "0", "output"),
-                    [(str(index), "float", (4,), None, path)])
+def tensor_record(path: str, index: int = 0) -> tuple:
+    """The statistic.csv side record (statcsv.py) of an op output written to `path`."""
+    return ("0_1", "0", "Op", "Op", "0", "output", str(index), "float", "4", None, path)
 
 
 def test_write_that_hits_a_full_disk_leaves_no_partial_file(mount_fs, capfd):

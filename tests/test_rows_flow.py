@@ -6,6 +6,7 @@ the end of the round, or sooner once they have waited `MAX_WAITING_SECONDS`: a l
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -72,3 +73,33 @@ def test_rows_keep_execution_order_across_hand_overs(tmp_path, monkeypatch):
     rows = read_csv(root / "0" / "statistic.csv")
     assert [(r["Op Id"], r["Input/Output"]) for r in rows] == \
         [(str(i), side) for i in range(7) for side in ("input", "output")]
+
+
+def test_rows_waiting_for_the_writer_are_left_alone_by_the_garbage_collector(tmp_path,
+                                                                            monkeypatch):
+    """Rows wait for the writer for a round and more: as objects the garbage collector tracks,
+    they would get promoted to its oldest generation and make Python collect every object of
+    the user's process (statcells.py). Each side record is a flat tuple of strings and cells,
+    which a collection stops tracking."""
+    from atb_probe.record.writer import Writer
+    from atb_probe.statcells import NA, READY
+    from conftest import tiny_llama
+
+    handed = []
+    put_records = Writer.put_records
+
+    def keep(self, rel_dir, name, sides, header):
+        handed.extend(sides)
+        put_records(self, rel_dir, name, sides, header)
+
+    monkeypatch.setattr(Writer, "put_records", keep)
+    model = tiny_llama()
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dump(tmp_path, config(task="statistics", save_child=True), lambda: model(ids))
+    assert len(handed) > 100
+    gc.collect()
+    assert not any(gc.is_tracked(side) for side in handed)
+    cells = [c for side in handed for c in side if type(c) is bytearray]
+    assert cells and all(c[-1] in (READY, NA) for c in cells)  # NA: an empty tensor
+    assert all(type(c) in (str, bytearray) for side in handed for c in side)

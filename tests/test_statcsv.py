@@ -8,7 +8,8 @@ import math
 
 from hypothesis import given, settings, strategies as st
 
-from atb_probe.statcsv import NA, SideRows, format_number, format_sides
+from atb_probe.statcells import fill, new_cell, new_serial
+from atb_probe.statcsv import NA, format_number, format_sides, shape_cell
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=12) | \
     st.sampled_from(['a,b', '"q"', 'line\nbreak', 'cr\r', '', ' lead', 'N/A'])
@@ -18,25 +19,22 @@ RECORD = st.tuples(*([TEXT] * 7), DTYPE, TEXT, st.lists(st.integers(0, 10 ** 6),
                    st.none() | st.tuples(FLOAT, FLOAT, FLOAT, FLOAT), TEXT)
 
 
-class Ready:
-    """Statistics as the recorder hands them over: an object whose `get()` gives the values."""
-
-    def __init__(self, values):
-        self.values = values
-
-    def get(self):
-        return self.values
+def ready(stats: tuple) -> bytearray:
+    """Statistics as the recorder hands them over: a filled cell."""
+    cell = new_cell(new_serial())
+    fill(cell, stats)
+    return cell
 
 
 def _sides(records) -> list:
-    """The records as SideRows, consecutive records with the same first six cells in one."""
+    """The records as side tuples, consecutive records with the same first six cells in one."""
     sides = []
     for r in records:
-        row = (r[6], r[7], r[9], None if r[10] is None else Ready(r[10]), r[11])
-        if sides and sides[-1].head == r[:6]:
-            sides[-1].rows.append(row)
+        row = (r[6], r[7], shape_cell(r[9]), None if r[10] is None else ready(r[10]), r[11])
+        if sides and sides[-1][:6] == r[:6]:
+            sides[-1] += row
         else:
-            sides.append(SideRows(r[:6], [row]))
+            sides.append(r[:6] + row)
     return sides
 
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from atb_probe.capture.statistics import Stat, compute, dense_flat, device_batch, prepare
+from atb_probe.capture.statistics import compute, dense_flat, device_batch, prepare
+from atb_probe.statcells import READY, new_cell, new_serial, values as stats_of
 
 
 def _numpy_one(t: torch.Tensor):
@@ -74,8 +75,9 @@ def _tensors(seed: int) -> list[torch.Tensor]:
     return out
 
 
-def _cells(n: int) -> list[Stat]:
-    return [Stat() for _ in range(n)]
+def _cells(n: int) -> list[bytearray]:
+    serial = new_serial()
+    return [new_cell(serial) for _ in range(n)]
 
 
 def _same(a, b) -> bool:
@@ -91,7 +93,7 @@ def test_a_batch_gives_each_tensor_its_own_statistics_bit_for_bit(seed):
     cells = _cells(len(tensors))
     compute(tensors, cells)
     for t, cell in zip(tensors, cells):
-        assert _same(cell.get(), _numpy_one(t)), (t.dtype, tuple(t.shape))
+        assert _same(stats_of(cell), _numpy_one(t)), (t.dtype, tuple(t.shape))
 
 
 def test_small_tensors_batched_together_keep_signed_zeros_and_nan():
@@ -101,14 +103,14 @@ def test_small_tensors_batched_together_keep_signed_zeros_and_nan():
     cells = _cells(len(tensors))
     compute(tensors, cells)
     for c, t in zip(cells, tensors):
-        assert _same(c.get(), _numpy_one(t))
+        assert _same(stats_of(c), _numpy_one(t))
 
 
 def test_float32_overflow_falls_back_to_float64_sums():
     t = torch.full((1000,), 1e20)
     cells = _cells(1)
     compute([t], cells)
-    high, low, mean, norm = cells[0].get()
+    high, low, mean, norm = stats_of(cells[0])
     assert math.isfinite(mean) and math.isfinite(norm)
     assert mean == pytest.approx(1e20) and norm == pytest.approx(1e20 * math.sqrt(1000))
 
@@ -121,7 +123,7 @@ def test_the_device_path_gives_the_per_tensor_device_formula_bit_for_bit(seed):
     cells = _cells(len(tensors))
     device_batch([prepare(t) for t in tensors], cells)
     for t, cell in zip(tensors, cells):
-        assert _same(cell.get(), _torch_one(t)), (t.dtype, tuple(t.shape))
+        assert _same(stats_of(cell), _torch_one(t)), (t.dtype, tuple(t.shape))
 
 
 def test_device_and_host_paths_agree_to_float32_rounding():
@@ -130,7 +132,7 @@ def test_device_and_host_paths_agree_to_float32_rounding():
     compute(tensors, host)
     device_batch([prepare(t) for t in tensors], device)
     for t, a, b in zip(tensors, host, device):
-        assert a.get() == pytest.approx(b.get(), rel=1e-4, abs=1e-5, nan_ok=True), t.dtype
+        assert stats_of(a) == pytest.approx(stats_of(b), rel=1e-4, abs=1e-5, nan_ok=True), t.dtype
 
 
 def test_a_device_batch_is_read_once_whatever_thread_asks():
@@ -139,13 +141,13 @@ def test_a_device_batch_is_read_once_whatever_thread_asks():
     cells = _cells(len(tensors))
     device_batch([prepare(t) for t in tensors], cells)
     got = []
-    threads = [threading.Thread(target=lambda: got.append([c.get() for c in cells]))
+    threads = [threading.Thread(target=lambda: got.append([stats_of(c) for c in cells]))
                for _ in range(4)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    assert all(g == got[0] for g in got) and all(c.batch is None for c in cells)
+    assert all(g == got[0] for g in got) and all(c[-1] == READY for c in cells)
 
 
 def test_the_device_path_through_the_whole_probe_gives_the_golden_statistics(tmp_path,
@@ -176,7 +178,7 @@ def test_one_tensor_at_a_time_gives_the_per_tensor_formula_bit_for_bit(seed):
     for t in _tensors(seed):
         cells = _cells(1)
         compute([t], cells)
-        assert _same(cells[0].get(), _numpy_one(t)), (t.dtype, tuple(t.shape))
+        assert _same(stats_of(cells[0]), _numpy_one(t)), (t.dtype, tuple(t.shape))
 
 
 @pytest.mark.parametrize("values", [[3e19] * 100, [1.0, float("inf")], [float("inf"), -float("inf")],
@@ -190,9 +192,9 @@ def test_statistics_leave_the_users_numpy_error_state_alone(values):
         compute([t], cells)  # raises FloatingPointError if a reduction runs unguarded
         assert np.geterr() == {"divide": "raise", "over": "raise", "under": "raise",
                                "invalid": "raise"}
-    assert _same(cells[0].get(), _numpy_one(t))
+    assert _same(stats_of(cells[0]), _numpy_one(t))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cells = _cells(1)
         compute([t], cells)
-    assert _same(cells[0].get(), _numpy_one(t))
+    assert _same(stats_of(cells[0]), _numpy_one(t))

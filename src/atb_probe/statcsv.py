@@ -1,14 +1,15 @@
 """statistic.csv: the per-round table of every tensor written (SPEC §5).
 
 One file per round directory, with `HEADER` as its first line. The recorder hands rows over as
-`SideRows` records, one per op side; the writer formats them (`format_sides`) and appends them
+side tuples (below), one per op side; the writer formats them (`format_sides`) and appends them
 in batches through an atomic replace of the file (`SafeTree.append_lines`), so a killed process
 leaves only complete lines behind.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable
+
+from .statcells import values
 
 FILE_NAME = "statistic.csv"  # one per round directory
 COLUMNS = ("Device and PID", "Execution Count", "Op Name", "Op Type", "Op Id", "Input/Output",
@@ -38,38 +39,37 @@ def _cell(text: str) -> str:
     return '"' + text.replace('"', '""') + '"'
 
 
-@dataclass(slots=True)
-class SideRows:
-    """The statistic.csv rows of one side (inputs or outputs) of one op execution.
-
-    `head` holds the six cells every row of the side shares (Device and PID, Execution Count,
-    Op Name, Op Type, Op Id, Input/Output); each of `rows` is (Index, Dtype, shape as a
-    sequence of ints, statistics, Tensor Path). The statistics are an object whose `get()`
-    returns (max, min, mean, norm) floats or None for `N/A` (the probe's `Stat`, filled when
-    the writer formats the rows), or None."""
-
-    head: tuple
-    rows: list
+# The rows of one side (inputs or outputs) of one op execution travel from the recorder to the
+# writer as one flat tuple of strings and cells, a side record: the `HEAD_CELLS` cells every row
+# of the side shares (Device and PID, Execution Count, Op Name, Op Type, Op Id, Input/Output),
+# then `ROW_CELLS` per row: Index, Dtype, Shape (as written, "AxB"), its statistics cell
+# (statcells.py) or None, Tensor Path.
+# Flat tuples, not record classes: Python's garbage collector stops tracking an exact tuple of
+# strings and bytearrays at its first collection (nested tuples take one collection per level),
+# and many rows wait for the writer at once (see statcells.py).
+HEAD_CELLS, ROW_CELLS = 6, 5
 
 
-def format_sides(sides: Iterable[SideRows]) -> str:
-    """CSV text of the rows of `sides`: the same text `csv.writer` makes of the formatted
-    cells, made faster: this runs for every row of a dump (on the writer thread, off the
-    model's path)."""
+def side_rows(side: tuple) -> int:
+    """The number of rows in a side record."""
+    return (len(side) - HEAD_CELLS) // ROW_CELLS
+
+
+def format_sides(sides: Iterable[tuple]) -> str:
+    """CSV text of the rows of side records (see above): the same text `csv.writer` makes of
+    the formatted cells, made faster: this runs for every row of a dump (on the writer thread,
+    off the model's path)."""
     lines = []
-    shapes: dict = {}  # shape -> "AxBxC"
     # Statistics are shared between the rows of the same values (a view, the next kernel's
     # input): each is formatted once. Keyed by id: `sides` keeps them all alive.
     numbers: dict = {id(None): _NA_STATS}
     for side in sides:
-        head = ",".join(map(_cell, side.head))
-        for index, dtype, dims, stat, path in side.rows:
-            shape = shapes.get(dims)
-            if shape is None:
-                shape = shapes[dims] = "x".join(map(str, dims))
+        head = ",".join(map(_cell, side[:HEAD_CELLS]))
+        for k in range(HEAD_CELLS, len(side), ROW_CELLS):
+            index, dtype, shape, stat, path = side[k:k + ROW_CELLS]
             stats = numbers.get(id(stat))
             if stats is None:
-                st = stat.get()
+                st = values(stat)
                 stats = numbers[id(stat)] = _NA_STATS if st is None else \
                     f"{format_number(st[0])},{format_number(st[1])}," \
                     f"{format_number(st[2])},{format_number(st[3])}"
@@ -77,3 +77,16 @@ def format_sides(sides: Iterable[SideRows]) -> str:
                 index = _cell(index)
             lines.append(f"{head},{index},{dtype},nd,{shape},{stats},{_cell(path)}\n")
     return "".join(lines)
+
+
+_SHAPES: dict = {}  # torch.Size (or any tuple of ints) -> its Shape cell
+
+
+def shape_cell(dims) -> str:
+    """The Shape cell of a tensor of shape `dims`: "AxBxC"."""
+    text = _SHAPES.get(dims)
+    if text is None:
+        if len(_SHAPES) >= 4096:  # prompts of every length: keep it bounded
+            _SHAPES.clear()
+        text = _SHAPES[dims] = "x".join(map(str, dims))
+    return text

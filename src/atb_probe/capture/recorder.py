@@ -2,10 +2,10 @@
 structure files of SPEC §5, all handed to the background writer.
 
 Everything here runs on the model thread, so it does only what cannot wait. Per op side it
-takes the IDs, looks the tensors' statistics up (statscache) and appends one `SideRows` record
-to the layer-level op execution's; statistics that are not known yet are queued and computed in
-one batch when the execution ends, or at once where the probe does not see the kernels that
-could change the tensors before then. Tensor files need a private copy of the bytes at once
+takes the IDs, looks the tensors' statistics up (statscache) and appends one side record
+(statcsv.py) to the layer-level op execution's; statistics that are not known yet are queued
+and computed in one batch when the execution ends, or at once where the probe does not see the
+kernels that could change the tensors before then. Tensor files need a private copy of the bytes at once
 (on an accelerator: a copy to pinned memory that the writer waits for). A layer-level op
 execution's rows join its round's at its end, and a round's rows are handed to the writer when
 the round ends (sooner in a long round: `_RoundRows`); formatting, encoding and disk I/O happen
@@ -24,7 +24,7 @@ import torch
 from .. import layout, log
 from ..binfile import encode_header, encode_reference
 from ..naming import sanitize
-from ..statcsv import FILE_NAME as CSV_FILE, HEADER, NA, SideRows
+from ..statcsv import FILE_NAME as CSV_FILE, HEADER, NA, shape_cell
 from .arguments import bind_args
 from .statscache import Queue, StatsCache
 from .tensors import (DUMPABLE_DTYPES, dumpable_dtype, flatten, host_bytes, local_of,
@@ -218,10 +218,12 @@ class Recorder:
                 else:
                     index = _INDEX[i] if i < 64 else str(i)
                 labels.append(index)
-                rows.append((index, dt.csv_name, t.shape, st, NA))
+                rows += (index, dt.csv_name, shape_cell(t.shape), st, NA)
         if rows:
-            record = SideRows((rnd.devpid, str(rnd.index), frame.full_name, frame.name,
-                               frame.op_id, side), rows)
+            # One flat tuple of strings and cells (statcsv.py): the garbage collector lets go
+            # of it at its first collection.
+            record = (rnd.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id,
+                      side, *rows)
             if layer is not None:
                 layer.rows.append(record)
             else:
@@ -230,7 +232,8 @@ class Recorder:
 
     def _write_tensors(self, rnd, frame, side, kept, stats, named, kernel):
         """Queue the `.bin` files of one side (data, or references under filter_level 1 and 2);
-        returns its statistic.csv rows and index labels."""
+        returns its statistic.csv rows (the cells after the head of a side record, statcsv.py)
+        and index labels."""
         cfg = rnd.config
         sink = self.sink
         sub = layout.side_dir(side)
@@ -260,7 +263,8 @@ class Recorder:
                                   data.nbytes, ready)
                     if key is not None and layer is not None:
                         layer.written[key] = (weakref.ref(t), in_round)
-            rows.append((index, dt.csv_name, dims, st, f"{sink.tree.root}/{op_dir}/{fname}"))
+            rows += (index, dt.csv_name, shape_cell(dims), st,
+                     f"{sink.tree.root}/{op_dir}/{fname}")
         return rows, labels
 
     # -- structure files --------------------------------------------------------------------

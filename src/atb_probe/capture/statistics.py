@@ -1,8 +1,8 @@
 """Max, min, mean and L2 norm of many tensors at once, without waiting on an accelerator.
 
 The recorder collects the tensors of a layer-level op execution and asks for their statistics
-in one `compute` call (see `StatsCache.resolve`). Each result goes into a `Stat` cell that the
-statistic.csv rows point to; the rows are formatted on the writer thread, which is the only
+in one `compute` call (see `StatsCache.resolve`). Each result goes into a cell (statcells.py)
+that the statistic.csv rows point to; the rows are formatted on the writer thread, which is the only
 reader of the values.
 
 What a statistic is (the numbers are those of every earlier version of the probe):
@@ -23,7 +23,7 @@ What a statistic is (the numbers are those of every earlier version of the probe
   float64 sums beside the float32 ones (so the overflow fallback needs no round trip), every
   tensor's six numbers stacked into one device buffer per batch and copied to pinned host
   memory without blocking. A `DeviceBatch` records an event after the copy; the writer waits
-  on it (`Stat.get`) when it formats the rows. The model thread never synchronises.
+  on it (`statcells.values`) when it formats the rows. The model thread never synchronises.
 """
 from __future__ import annotations
 
@@ -33,31 +33,11 @@ import threading
 import numpy as np
 import torch
 
+from ..statcells import DEVICE, device_batches, fill, new_serial, pack
+
 _max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
 _isfinite = math.isfinite
 SMALL = 4096  # elements: max/min of tensors up to this size are batched (`reduceat`)
-
-
-class Stat:
-    """The statistics of one state of a tensor's values: `(max, min, mean, norm)`, or None
-    for an empty tensor. Pending until its batch is computed; on an accelerator, until the
-    batch's host copy has landed (`get` waits for it)."""
-
-    __slots__ = ("value", "batch")
-
-    def __init__(self, value=None, batch=None):
-        self.value = value
-        self.batch = batch
-
-    def get(self):
-        """The value, waiting for a device batch's copy if needed (writer thread)."""
-        batch = self.batch
-        if type(batch) is DeviceBatch:
-            batch.finish()
-        return self.value
-
-
-EMPTY = Stat()  # the statistics of every empty tensor: N/A
 
 
 def compute(tensors: list, cells: list) -> None:
@@ -65,8 +45,8 @@ def compute(tensors: list, cells: list) -> None:
     if len(tensors) == 1:  # an op side computed at once: the common case outside kernels
         x = prepare(tensors[0])
         if x.is_cpu:
-            cells[0].value = _one_quiet(x.numpy().reshape(-1) if x.is_contiguous() else
-                                        dense_flat(x).numpy())
+            fill(cells[0], _one_quiet(x.numpy().reshape(-1) if x.is_contiguous() else
+                                      dense_flat(x).numpy()))
             return
     arrays, host_cells, device = [], [], {}
     with np.errstate(all="ignore"):
@@ -125,7 +105,7 @@ def _host(arrays: list, cells: list) -> None:
             highs[i], lows[i] = high, low
     for i, (a, cell) in enumerate(zip(arrays, cells)):
         high = highs[i]
-        cell.value = _one(a) if high is None else _one(a, high, lows[i])
+        fill(cell, _one(a) if high is None else _one(a, high, lows[i]))
 
 
 def _one_quiet(a) -> tuple:
@@ -199,7 +179,9 @@ def finish_row(values, n: int) -> tuple:
 
 
 class DeviceBatch:
-    """The statistics rows of one batch on their way from a device to pinned host memory."""
+    """The statistics rows of one batch on their way from a device to pinned host memory. Its
+    cells say `DEVICE` and name it by its serial (`statcells.values` finds it in
+    `device_batches`)."""
 
     def __init__(self, rows: list, cells: list, counts: list):
         stacked = torch.stack(rows)
@@ -209,8 +191,12 @@ class DeviceBatch:
             self.host, self.event = to_host(stacked)
         self.cells, self.counts = cells, counts
         self._lock = threading.Lock()
+        self.serial = serial = new_serial()
         for cell in cells:
-            cell.batch = self
+            pack(cell, 0, 0.0, 0.0, 0.0, 0.0, serial, DEVICE)
+        if len(device_batches) >= MAX_DEVICE_BATCHES:
+            _finish_landed()
+        device_batches[serial] = self
 
     def finish(self) -> None:
         """Wait for the copy and fill the cells (once; any thread)."""
@@ -219,10 +205,25 @@ class DeviceBatch:
                 return
             if self.event is not None:
                 self.event.synchronize()
-            for cell, values, n in zip(self.cells, self.host.tolist(), self.counts):
-                cell.value = finish_row(values, n)
-                cell.batch = None
+            for cell, row, n in zip(self.cells, self.host.tolist(), self.counts):
+                fill(cell, finish_row(row, n))
             self.cells = self.host = self.event = None
+            device_batches.pop(self.serial, None)
+
+    def landed(self) -> bool:
+        """Whether the copy is done (never waits)."""
+        return self.event is None or self.event.query()
+
+
+# Batches whose rows are never formatted (the writer stopped) are finished here once their copy
+# landed, beyond this many waiting.
+MAX_DEVICE_BATCHES = 4096
+
+
+def _finish_landed() -> None:
+    for batch in list(device_batches.values()):
+        if batch.landed():
+            batch.finish()
 
 
 def to_host(x: torch.Tensor):

@@ -1,5 +1,5 @@
 """Statistics computed once per state of a tensor's memory, not once per appearance, and in
-batches: a lookup that misses queues the tensor and returns a pending `Stat` cell, and
+batches: a lookup that misses queues the tensor and returns a pending cell (statistics.py), and
 `resolve` computes everything queued in one call (statistics.py).
 
 Each layer-level op execution has its own `Queue`. The recorder resolves it at the end of the
@@ -46,10 +46,15 @@ import weakref
 
 import torch
 
-from .statistics import EMPTY, Stat, compute, is_dense
+from ..statcells import EMPTY, QUEUED, new_cell, new_serial, waits_in
+from .statistics import compute, is_dense
 from .tensors import storage_key
 
-MAX_ENTRIES = 4096
+# Entries of tensors that died are swept out when a dict reaches its limit: twice what was alive
+# after the last sweep, and at least this. A small floor keeps dead entries (and their weak
+# references, which the garbage collector tracks) from living long enough to be promoted to its
+# oldest generation; doubling keeps the sweeps' cost linear in the insertions.
+MIN_ENTRIES = 512
 _NO_KEY = object()  # `_lookup` did not compute the memory key
 
 
@@ -89,39 +94,39 @@ class Queue:
     """Tensors of one thread's layer-level op execution whose statistics are pending, and
     their cells (see the module docstring)."""
 
-    __slots__ = ("tensors", "cells", "nbytes")
+    __slots__ = ("tensors", "cells", "nbytes", "serial")
 
     def __init__(self):
         self.tensors: list = []
         self.cells: list = []
         self.nbytes = 0       # bytes of the tensors kept alive for it
+        self.serial = new_serial()  # what its cells say they wait in
 
     def resolve(self) -> None:
         """Compute every queued statistic (one batch) and let go of the tensors."""
         if self.tensors:
             tensors, cells = self.tensors, self.cells
             self.tensors, self.cells, self.nbytes = [], [], 0
-            for cell in cells:
-                cell.batch = None
             compute(tensors, cells)
 
 
 class StatsCache:
     """`statistics` of a side of an op, reusing earlier results (see the module docstring).
 
-    One cache serves every model thread. `_lock` guards the changes to `_entries` and `_limit`
-    (a store, the eviction that walks the entries, a clear): two threads evicting at once would
-    delete the same key, or change the dict while the other walks it. Lookups take no lock: a
+    One cache serves every model thread. `_lock` guards the changes to `_entries`, `_seen` and
+    their limits (a store, the sweep that walks the entries, a clear): two threads sweeping at
+    once would delete the same key, or change the dict while the other walks it. Lookups take no lock: a
     dict read is atomic, and an entry is checked against its live owner before it is used."""
 
     def __init__(self):
         self._entries: dict = {}
-        self._limit = MAX_ENTRIES
+        self._limit = MIN_ENTRIES
         # id(tensor) -> (weak reference to it, its version, cell, its data pointer): the same
         # tensor object at the same version over the same memory (the next kernel's input is
         # the last one's output) is found without computing its memory key. (`t.data = other`
         # keeps the object and its version counter but not the pointer.)
         self._seen: dict = {}
+        self._seen_limit = MIN_ENTRIES
         self._lock = threading.Lock()
         # A fork while another thread holds the lock would leave it held for good in the child.
         ref = weakref.ref(self)
@@ -131,11 +136,11 @@ class StatsCache:
         with self._lock:
             self._entries.clear()
             self._seen.clear()
-            self._limit = MAX_ENTRIES
+            self._limit = self._seen_limit = MIN_ENTRIES
 
     def side(self, queue: Queue, tensors: list, kernel_output: bool = False, inputs_seen=None,
              remember_inputs: bool = False):
-        """`Stat` cells of `tensors`, in order: earlier results, or new cells pending in
+        """The cells of `tensors`, in order: earlier results, or new cells pending in
         `queue` (a cell pending in another thread's queue is not used: it may never be
         computed before this thread's rows are written).
 
@@ -155,8 +160,7 @@ class StatsCache:
             if seen is not None and seen[0]() is t and seen[3] == t.data_ptr() and \
                     seen[1] == _version(t):
                 cell = seen[2]
-                batch = cell.batch
-                if batch is None or batch is queue or type(batch) is not Queue:
+                if cell[-1] != QUEUED or waits_in(cell) == queue.serial:
                     cells.append(cell)
                     continue
             cell, key = self._lookup(t, queue)
@@ -185,8 +189,7 @@ class StatsCache:
                 return None, key
             cell = entry[1]
             self._remember(t, version, cell)
-        batch = cell.batch
-        if batch is not None and batch is not queue and type(batch) is Queue:
+        if cell[-1] == QUEUED and waits_in(cell) != queue.serial:
             return None, key
         return cell, key
 
@@ -219,7 +222,7 @@ class StatsCache:
         n = t.numel()
         if not n:
             return EMPTY
-        cell = Stat(None, queue)
+        cell = new_cell(queue.serial)
         queue.tensors.append(t)
         queue.cells.append(cell)
         queue.nbytes += n * t.element_size()
@@ -240,11 +243,8 @@ class StatsCache:
             return
         with self._lock:
             seen = self._seen
-            if len(seen) >= 2 * MAX_ENTRIES:
-                for k in [k for k, e in seen.items() if e[0]() is None]:
-                    del seen[k]
-                if len(seen) >= MAX_ENTRIES:
-                    seen.clear()
+            if len(seen) >= self._seen_limit:
+                self._seen_limit = _sweep(seen)
             seen[id(t)] = entry
 
     def _store(self, key, owner, value) -> None:
@@ -255,11 +255,13 @@ class StatsCache:
         with self._lock:
             entries = self._entries
             if len(entries) >= self._limit:
-                # Drop the entries whose tensors died (most activations); clear if that is not
-                # enough, and let the limit follow what stays alive (weights, caches).
-                for k in [k for k, (ref, _) in entries.items() if ref() is None]:
-                    del entries[k]
-                if len(entries) >= self._limit * 3 // 4:
-                    entries.clear()
-                self._limit = max(MAX_ENTRIES, 2 * len(entries))
+                self._limit = _sweep(entries)
             entries[key] = entry
+
+
+def _sweep(entries: dict) -> int:
+    """Delete the entries whose tensor died (an entry's first item is a weak reference to it);
+    the dict's next limit (see MIN_ENTRIES)."""
+    for k in [k for k, e in entries.items() if e[0]() is None]:
+        del entries[k]
+    return max(MIN_ENTRIES, 2 * len(entries))

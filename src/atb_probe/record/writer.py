@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .. import log
-from ..statcsv import SideRows, format_sides
+from ..statcsv import HEAD_CELLS, ROW_CELLS, format_sides, side_rows
 from .safefs import SafeTree, UnsafePathError
 
 GIB = 1024 ** 3
@@ -102,7 +102,7 @@ class _Rows:
 
     def __init__(self, header: str, now: float, file_bytes: int):
         self.header = header
-        self.parts: list = []  # lists of statcsv.SideRows
+        self.parts: list = []  # lists of side records (statcsv.py)
         self.nbytes = 0        # bytes of rows waiting (estimated)
         self.accounted = 0     # their share of bytes_queued
         self.file_bytes = file_bytes  # bytes this writer has appended to the file so far
@@ -147,14 +147,14 @@ class Writer:
         self._put(FileJob(rel_dir, name, chunks, payload_bytes + _JOB_OVERHEAD, ready))
 
     def put_records(self, rel_dir: str, name: str, sides: list, header: str) -> None:
-        """Queue statistic.csv rows as `statcsv.SideRows` records for `rel_dir/name`, a new
+        """Queue statistic.csv rows as side records (statcsv.py) for `rel_dir/name`, a new
         file starting with `header`: they are formatted on the writer thread, when their batch
         is written.
 
         Rows join their file's batch at once when nothing is queued before them (so every
         file they name has been dealt with), without waking the writer unless the batch is new
         or full: the writer sleeps until the batch is due. Otherwise they queue in order."""
-        size = _RECORD_BYTES * sum([len(side.rows) for side in sides])
+        size = _RECORD_BYTES * sum([side_rows(side) for side in sides])
         with self._cond:
             if not self._admit(size):
                 return
@@ -395,17 +395,17 @@ class Writer:
             part = [self._unname_side(side) for side in part]
         return format_sides(part).encode("utf-8")
 
-    def _unname_side(self, side: SideRows) -> SideRows:
+    def _unname_side(self, side: tuple) -> tuple:
         missing = self._missing
-        if not any(row[4] in missing for row in side.rows):
+        paths = range(HEAD_CELLS + ROW_CELLS - 1, len(side), ROW_CELLS)  # the Tensor Paths
+        if not any(side[k] in missing for k in paths):
             return side
-        rows = []
-        for row in side.rows:
-            if row[4] in missing:
-                missing.discard(row[4])
-                row = row[:4] + (_NA,)
-            rows.append(row)
-        return SideRows(side.head, rows)
+        cells = list(side)
+        for k in paths:
+            if cells[k] in missing:
+                missing.discard(cells[k])
+                cells[k] = _NA
+        return tuple(cells)
 
     def _release(self, rows: _Rows) -> None:
         with self._cond:

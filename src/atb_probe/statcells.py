@@ -1,0 +1,76 @@
+"""Statistics cells: where the max, min, mean and norm of one state of a tensor's values wait
+for the statistic.csv rows that show them.
+
+The recorder hands a row a cell as soon as it sees the tensor; the cell fills when its batch is
+computed (capture/statistics.py), on an accelerator when the batch's copy to the host has
+landed, and the writer reads it when it formats the row (`values`).
+
+Rows wait for the writer for a while (a round, then the writer's delay), so many of them are
+alive at once. A cell is therefore a `bytearray` (struct `_CELL`: max, min, mean and norm as
+float64, the serial of the queue or device batch it waits in, its state), not an object of a
+class: a bytearray is not tracked by Python's garbage collector, and an exact tuple made only of
+cells, strings and ints (a statistic.csv row, see statcsv.py) stops being tracked at its first
+collection. Tracked objects that live for a round get promoted to the oldest generation, and
+enough of them make Python run a full collection over every object of the user's process
+(about 200 ms with transformers loaded).
+"""
+from __future__ import annotations
+
+import itertools
+import struct
+
+READY, NA, QUEUED, DEVICE = 0, 1, 2, 3  # a cell's state: its last byte
+_CELL = struct.Struct("=4dqB")
+pack = _CELL.pack_into  # pack(cell, 0, max, min, mean, norm, serial, state)
+_unpack = _CELL.unpack_from
+_SERIAL = struct.Struct("=q")
+_serial_of = _SERIAL.unpack_from
+_SERIAL_AT = 32
+_QUEUED = bytearray(_CELL.size)
+_QUEUED[-1] = QUEUED
+_serials = itertools.count(1)  # queues and device batches (next() is atomic under the GIL)
+
+# serial -> device batch (capture/statistics.py: `DeviceBatch`) whose cells wait for it; the
+# writer finishes a batch when it formats the first row that shows one of its cells.
+device_batches: dict = {}
+
+EMPTY = bytearray(_CELL.size)  # the statistics of every empty tensor: N/A
+EMPTY[-1] = NA
+
+
+def new_serial() -> int:
+    """A number that names a queue or a device batch in its cells."""
+    return next(_serials)
+
+
+def new_cell(serial: int) -> bytearray:
+    """A cell pending in the queue numbered `serial`."""
+    cell = bytearray(_QUEUED)
+    _SERIAL.pack_into(cell, _SERIAL_AT, serial)
+    return cell
+
+
+def waits_in(cell: bytearray) -> int:
+    """The serial of the queue or device batch a `QUEUED` or `DEVICE` cell waits in."""
+    return _serial_of(cell, _SERIAL_AT)[0]
+
+
+def fill(cell: bytearray, stats: tuple) -> None:
+    """Store (max, min, mean, norm) in `cell`: it is `READY`."""
+    pack(cell, 0, stats[0], stats[1], stats[2], stats[3], 0, READY)
+
+
+def values(cell: bytearray | None):
+    """(max, min, mean, norm) of a cell, or None for N/A (an empty tensor, a statistic that
+    was never computed); waits for a device batch's copy if needed (writer thread)."""
+    if cell is None:
+        return None
+    state = cell[-1]
+    if state == DEVICE:
+        batch = device_batches.get(waits_in(cell))
+        if batch is not None:
+            batch.finish()
+        state = cell[-1]
+    if state != READY:
+        return None
+    return _unpack(cell)[:4]
