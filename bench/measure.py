@@ -10,6 +10,13 @@ synchronously), so background writing is never hidden. Attaching and detaching t
 (`enable`/`disable`, msprobe's `start`) happen outside the timing and are reported apart. The
 dump is then scanned (bytes, files) and deleted, and the file system is synced, outside the
 timed region.
+
+Garbage collection: by default (`gc_mode="collect"`) a full collection runs before each timed
+run, so every run starts from the same collector state. A long-running service never does that:
+`gc_mode="steady"` skips it, and what a tool leaves for the collector (objects that live long
+enough to be promoted, then full collections over every object of the process) is paid inside
+the runs, as it is in real use. Either way the time spent in collections during each run and the
+number of full (oldest-generation) collections are recorded (`gc.callbacks`).
 """
 from __future__ import annotations
 
@@ -97,14 +104,40 @@ def remove(path: str) -> None:
 
 # -- timing -------------------------------------------------------------------------------------
 
-def _timed(fn) -> tuple[float, float, float | None, object]:
-    """(wall s, CPU s of the whole process, peak RSS MiB during the call, result)."""
-    gc.collect()
+class _GcClock:
+    """Seconds spent in garbage collections, and full collections, while installed."""
+
+    def __init__(self):
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info["generation"] == 2
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+GC_MODE = "collect"  # or "steady": see the module docstring
+
+
+def _timed(fn) -> tuple[float, float, float | None, object, _GcClock]:
+    """(wall s, CPU s of the whole process, peak RSS MiB during the call, result, time in GC)."""
+    if GC_MODE == "collect":
+        gc.collect()
     has_peak = reset_peak()
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    result = fn()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return wall, cpu, (peak_mib() if has_peak else None), result
+    with _GcClock() as clock:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        result = fn()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return wall, cpu, (peak_mib() if has_peak else None), result, clock
 
 
 def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = False,
@@ -130,14 +163,15 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
         runner.start(wl, run_dir)
         start_s = time.perf_counter() - t0
         try:
-            wall, cpu, peak, dump_dir = _timed(lambda: runner.run(wl, run_dir))
+            wall, cpu, peak, dump_dir, clock = _timed(lambda: runner.run(wl, run_dir))
         finally:
             t0 = time.perf_counter()
             runner.finish()
             finish_s = time.perf_counter() - t0
         nbytes, files = scan(dump_dir)
         rec = {"s": wall, "cpu_s": cpu, "peak_mib": peak, "bytes": nbytes, "files": len(files),
-               "start_s": start_s, "finish_s": finish_s}
+               "start_s": start_s, "finish_s": finish_s, "gc_s": clock.seconds,
+               "full_gcs": clock.full}
         if case.plain_baseline:
             plain_dir = os.path.join(work_dir, "plain")
             rec["plain_s"] = plain_write(files, plain_dir)
@@ -147,13 +181,14 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
         return rec
 
     def unprobed_once() -> dict:
-        wall, cpu, peak, _ = _timed(wl.run)
-        return {"s": wall, "cpu_s": cpu, "peak_mib": peak}
+        wall, cpu, peak, _, clock = _timed(wl.run)
+        return {"s": wall, "cpu_s": cpu, "peak_mib": peak, "gc_s": clock.seconds,
+                "full_gcs": clock.full}
 
     started = time.time()
     probed_once(last=False)  # warm-up: first-call costs (imports, caches, hook registration)
     unprobed_once()
-    records = []
+    records, all_probed = [], []
     for i in range(pairs):
         uns, prs = [], []
         for j in range(repeat):
@@ -164,6 +199,7 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
             else:
                 prs.append(probed_once(last))
                 uns.append(unprobed_once())
+        all_probed += prs
         rec = {"unprobed": min(uns, key=lambda r: r["s"]),
                "probed": min(prs, key=lambda r: r["s"])}
         if case.plain_baseline:
@@ -193,6 +229,10 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
         "bytes": statistics.median(r["probed"]["bytes"] for r in records),
         "files": statistics.median(r["probed"]["files"] for r in records),
         "process_peak_mib": process_peak_mib(),
+        "gc_mode": GC_MODE,
+        # every probed run, not only the pairs' fastest: full collections come every few runs
+        "gc_ms": 1e3 * statistics.median(r["gc_s"] for r in all_probed),
+        "full_gcs_per_run": sum(r["full_gcs"] for r in all_probed) / len(all_probed),
         "seconds": time.time() - started,
         "versions": _versions(),
     }

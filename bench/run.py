@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="runs of each side per pair, the fastest kept (default 1; 3 on a "
                         "machine shared with other jobs)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--gc", choices=("collect", "steady"), default="collect",
+                   help="collect (default): a full garbage collection before each timed run; "
+                        "steady: none, as in a service, so the collections a tool causes fall "
+                        "inside the runs")
     p.add_argument("--out", default="",
                    help="keep the last dump of each case and the logs here "
                         "(default: a temporary folder, deleted at the end)")
@@ -123,6 +127,7 @@ def _run_one(args) -> int:
     case = BY_NAME[args.case.split("@")[0]]
     spec = workloads.spec(args.workload, args.quick)
     pairs = args.pairs or (QUICK_PAIRS if args.quick else DEFAULT_PAIRS)
+    measure.GC_MODE = args.gc
     result = measure.run_case(case, spec, pairs, args.threads, args.work, keep=args.keep,
                               repeat=args.repeat)
     result["case"] = args.case
@@ -157,8 +162,8 @@ def _orchestrate(args) -> int:
     root = os.path.abspath(args.out) if args.out else tempfile.mkdtemp(prefix="atb-bench-")
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     meta = _machine(args)
-    meta.update(pairs=pairs, repeat=args.repeat, threads=args.threads, quick=args.quick, msprobe=ms_note,
-                started=datetime.datetime.now().isoformat(timespec="seconds"))
+    meta.update(pairs=pairs, repeat=args.repeat, threads=args.threads, quick=args.quick,
+                gc=args.gc, msprobe=ms_note, started=datetime.datetime.now().isoformat(timespec="seconds"))
     doc = {"meta": meta, "workloads": {}}
     failed = False
     try:
@@ -218,7 +223,7 @@ def _spawn(args, key: str, workload: str, pairs: int, python: str, root: str) ->
     log_path = result_path[:-5] + ".log"
     cmd = [python, os.path.abspath(__file__), "--case", key, "--workload", workload,
            "--pairs", str(pairs), "--repeat", str(args.repeat), "--threads", str(args.threads),
-           "--work", work,
+           "--gc", args.gc, "--work", work,
            "--json", result_path]
     if args.quick:
         cmd.append("--quick")
@@ -325,7 +330,7 @@ def render(name: str, wl: dict, meta: dict) -> str:
         f"### Workload `{name}`: {wl['describe']}",
         "",
         f"{meta['threads']} threads; median of {meta['pairs']} paired runs"
-        f"{repeat_note}"
+        f"{repeat_note}; garbage collector: {_GC_NOTE[meta.get('gc', 'collect')]}"
         f"{' (--quick)' if meta['quick'] else ''}. Machine: {meta.get('cpu', '?')}, "
         f"{meta.get('cores', '?')} cores, {meta.get('memory_gib', '?')} GiB, "
         f"{meta['platform']}; load average before {meta['load_before']}. "
@@ -334,9 +339,10 @@ def render(name: str, wl: dict, meta: dict) -> str:
         f"{meta.get('commit', '?')}.",
         "",
         "| case | goal | ratio | pair range | best-of ratio | CPU ratio | un-probed s | probed s "
-        "| attach+detach ms | MB written | files | extra peak RSS MiB | measured vs goal "
-        "| verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| GC ms (full per run) | attach+detach ms | MB written | files | extra peak RSS MiB "
+        "| measured vs goal | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- |",
     ]
     legend = []
     for case in CASES:
@@ -346,7 +352,7 @@ def render(name: str, wl: dict, meta: dict) -> str:
         legend.append(f"`{case.name}`: {case.what}")
         if "error" in r:
             lines.append(f"| {case.name} | {case.goal.text() if case.goal else ''} | failed: "
-                         f"{r['error']} | | | | | | | | | | | |")
+                         f"{r['error']} | | | | | | | | | | | | |")
             continue
         extra = _extra_rss(r, base)
         value, verdict = _verdict(case, r, results, extra)
@@ -354,7 +360,7 @@ def render(name: str, wl: dict, meta: dict) -> str:
             f"| {case.name} | {case.goal.text() if case.goal else ''} | {r['ratio']:.2f} | "
             f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['best_ratio']:.2f} | "
             f"{r['cpu_ratio']:.2f} | "
-            f"{r['unprobed_s']:.3f} | {r['probed_s']:.3f} | "
+            f"{r['unprobed_s']:.3f} | {r['probed_s']:.3f} | {_fmt_gc(r)} | "
             f"{r.get('start_finish_s', 0) * 1e3:.1f} | {r['bytes'] / 1e6:.1f} | "
             f"{r['files']:.0f} | {_fmt_extra(extra, r)} | {value} | {verdict} |")
     lines += ["", "; ".join(legend) + "."]
@@ -392,6 +398,16 @@ def render(name: str, wl: dict, meta: dict) -> str:
                 f"| {rel} |")
         lines += ["", "; ".join(f"`{c.name}`: {c.what}" for c in ms_rows) + "."]
     return "\n".join(lines) + "\n"
+
+
+_GC_NOTE = {"collect": "a full collection before each timed run",
+            "steady": "no collection between runs (`--gc steady`), as in a service"}
+
+
+def _fmt_gc(r: dict) -> str:
+    if "gc_ms" not in r:
+        return ""
+    return f"{r['gc_ms']:.1f} ({r['full_gcs_per_run']:.2f})"
 
 
 def _extra_rss(r: dict, base: dict) -> float | None:
