@@ -6,6 +6,8 @@ A custom backend counts how often compiled code runs, so the tests see which rou
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import torch
 from torch import nn
@@ -144,3 +146,24 @@ def test_compiled_encoder_through_the_load_script(tmp_path):
     assert [d for d in op_dirs(round_dir) if "/" not in d and d[0].isdigit()] == [
         "0_BertEmbeddings", "1_BertLayer", "2_BertLayer", "3_BertPooler", "4_Dropout",
         "5_Linear"]
+
+
+def test_a_process_that_never_compiles_does_not_load_the_compiler(tmp_path):
+    """Nothing compiled can run before `torch.compile` imports torch._dynamo, so a dumped round
+    of an eager model leaves it unimported (importing it takes a second and 70 MB)."""
+    script = f"""
+import sys, torch
+from torch import nn
+import atb_probe
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+atb_probe.enable({str(tmp_path)!r}, {config(task="statistics")!r})
+model(torch.randn(2, 4))
+assert atb_probe.disable(timeout=60)
+print("dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "dynamo imported: False" in done.stdout
+    rows = (only_proc(tmp_path / "atb_dump_data") / "0" / "statistic.csv").read_text()
+    assert rows.count("\n") == 1 + 2 * 3  # header, then inputs and outputs of the 3 layers

@@ -324,7 +324,8 @@ class Engine:
             frame = _PASS_FRAME
         stack.append(frame)
         try:
-            if rnd is not None and rnd.dumping and _FORCE_EAGER is not None:
+            if rnd is not None and rnd.dumping and _FORCE_EAGER is not None and \
+                    _DYNAMO in sys.modules:
                 with _FORCE_EAGER("force_eager"):
                     return original(module, *args, **kwargs)
             return original(module, *args, **kwargs)
@@ -529,8 +530,12 @@ class Engine:
         return out
 
 
-# "force_eager" runs compiled code as plain Python for the length of a dumped round.
+# "force_eager" runs compiled code as plain Python for the length of a dumped round. Only where
+# torch.compile has been used: `torch.compile` and `Module.compile` import torch._dynamo, and
+# without them nothing compiled can run, while setting the stance would import it (a second and
+# 70 MB on the first dumped round of a process that never compiles).
 _FORCE_EAGER = getattr(getattr(torch, "compiler", None), "set_stance", None)
+_DYNAMO = "torch._dynamo"
 
 
 def _dynamo_compiled() -> bool:
