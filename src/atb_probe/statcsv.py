@@ -30,6 +30,7 @@ def format_number(value: float | None) -> str:
 
 _NA_STATS = ",".join((NA, NA, NA, NA))
 _SPECIAL = frozenset(',"\r\n')
+_QUOTED = frozenset('"\r\n')  # with a comma, what makes a cell need quotes
 
 
 def _cell(text: str) -> str:
@@ -58,24 +59,28 @@ def side_rows(side: tuple) -> int:
 def format_sides(sides: Iterable[tuple]) -> str:
     """CSV text of the rows of side records (see above): the same text `csv.writer` makes of
     the formatted cells, made faster: this runs for every row of a dump (on the writer thread,
-    off the model's path)."""
+    off the model's path, but holding the GIL the model needs)."""
     lines = []
+    add = lines.append
     # Statistics are shared between the rows of the same values (a view, the next kernel's
     # input): each is formatted once. Keyed by id: `sides` keeps them all alive.
     numbers: dict = {id(None): _NA_STATS}
     for side in sides:
-        head = ",".join(map(_cell, side[:HEAD_CELLS]))
-        for k in range(HEAD_CELLS, len(side), ROW_CELLS):
-            index, dtype, shape, stat, path = side[k:k + ROW_CELLS]
+        head = ",".join(side[:HEAD_CELLS])
+        if head.count(",") != HEAD_CELLS - 1 or not _QUOTED.isdisjoint(head):
+            head = ",".join(map(_cell, side[:HEAD_CELLS]))  # a cell needs quotes
+        cells = iter(side[HEAD_CELLS:])
+        for index, dtype, shape, stat, path in zip(cells, cells, cells, cells, cells):
             stats = numbers.get(id(stat))
             if stats is None:
                 st = values(stat)
-                stats = numbers[id(stat)] = _NA_STATS if st is None else \
-                    f"{format_number(st[0])},{format_number(st[1])}," \
-                    f"{format_number(st[2])},{format_number(st[3])}"
+                # repr: the shortest text that reads back as the same float (format_number)
+                stats = numbers[id(stat)] = _NA_STATS if st is None else "%r,%r,%r,%r" % st
             if not index.isdigit():
                 index = _cell(index)
-            lines.append(f"{head},{index},{dtype},nd,{shape},{stats},{_cell(path)}\n")
+            if path is not NA:
+                path = _cell(path)
+            add(f"{head},{index},{dtype},nd,{shape},{stats},{path}\n")
     return "".join(lines)
 
 
