@@ -9,11 +9,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch import nn
 
 import atb_probe
-from conftest import config, dump, only_proc, op_dirs, run_loaded
+from conftest import config, dump, only_proc, op_dirs, read_csv, run_loaded
 
 MESSAGE = "compiled code (torch.compile) runs eagerly while a round is dumped"
 
@@ -148,15 +149,17 @@ def test_compiled_encoder_through_the_load_script(tmp_path):
         "5_Linear"]
 
 
-def test_a_process_that_never_compiles_does_not_load_the_compiler(tmp_path):
+@pytest.mark.parametrize("save_child", [False, True])
+def test_a_process_that_never_compiles_does_not_load_the_compiler(tmp_path, save_child):
     """Nothing compiled can run before `torch.compile` imports torch._dynamo, so a dumped round
-    of an eager model leaves it unimported (importing it takes a second and 70 MB)."""
+    of an eager model, its kernels tracked or not, leaves it unimported (importing it takes a
+    second and 70 MB)."""
     script = f"""
 import sys, torch
 from torch import nn
 import atb_probe
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-atb_probe.enable({str(tmp_path)!r}, {config(task="statistics")!r})
+atb_probe.enable({str(tmp_path)!r}, {config(task="statistics", save_child=save_child)!r})
 model(torch.randn(2, 4))
 assert atb_probe.disable(timeout=60)
 print("dynamo imported:", "torch._dynamo" in sys.modules)
@@ -165,5 +168,7 @@ print("dynamo imported:", "torch._dynamo" in sys.modules)
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert "dynamo imported: False" in done.stdout
-    rows = (only_proc(tmp_path / "atb_dump_data") / "0" / "statistic.csv").read_text()
-    assert rows.count("\n") == 1 + 2 * 3  # header, then inputs and outputs of the 3 layers
+    rows = read_csv(only_proc(tmp_path / "atb_dump_data") / "0" / "statistic.csv")
+    layers = {r["Op Id"] for r in rows if "_" not in r["Op Id"]}
+    kernels = {r["Op Id"] for r in rows if "_" in r["Op Id"]}
+    assert layers == {"0", "1", "2"} and bool(kernels) == save_child

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..naming import kernel_name
@@ -15,6 +16,15 @@ from ..naming import kernel_name
 
 class KernelCapture(TorchDispatchMode):
     """Hands every kernel executed in this thread to `engine.kernel_call`."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's __torch_dispatch__ so that torch.compile never
+        # traces into it: two more Python frames on every kernel, and an import of
+        # torch._dynamo (a second, 70 MB) at the first one. Where torch has compiler stances,
+        # nothing compiles while this mode is pushed: it is pushed only in dumped rounds,
+        # which run compiled code eagerly (calltree.py, `_FORCE_EAGER`).
+        return not hasattr(torch.compiler, "set_stance")
 
     def __init__(self, engine):
         super().__init__()
