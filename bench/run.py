@@ -163,7 +163,8 @@ def _orchestrate(args) -> int:
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     meta = _machine(args)
     meta.update(pairs=pairs, repeat=args.repeat, threads=args.threads, quick=args.quick,
-                gc=args.gc, msprobe=ms_note, started=datetime.datetime.now().isoformat(timespec="seconds"))
+                gc=args.gc, msprobe=ms_note,
+                started=datetime.datetime.now().isoformat(timespec="seconds"))
     doc = {"meta": meta, "workloads": {}}
     failed = False
     try:

@@ -295,6 +295,47 @@ def test_reused_statistics_always_describe_the_values_of_the_moment(tmp_path):
     assert checked > 100
 
 
+def test_the_statistics_cache_holds_one_entry_per_live_tensor(tmp_path, monkeypatch):
+    """A long-running service: a cache buffer changed in place every round stays alive, and so
+    would the entry of each of its past versions. The cache keeps what can still be used: its
+    size stays bounded however many rounds run."""
+    import atb_probe
+    from atb_probe.capture import statscache
+    monkeypatch.setattr(statscache, "MIN_ENTRIES", 16)
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("cache", torch.zeros(8, 4))
+
+        def forward(self, x, step):
+            self.cache[step % 8].copy_(self.lin(x)[0])  # in place, as a KV cache is
+            return self.cache.sum(0, keepdim=True) + x
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Cached(), Cached()])
+
+        def forward(self, x, step):
+            for layer in self.layers:
+                x = layer(x, step)
+            return x
+
+    net, x, sizes = Net(), torch.randn(1, 4), []
+
+    def run():
+        stats = atb_probe.active().engine.recorder.stats
+        with torch.no_grad():
+            for step in range(300):
+                net(x, step)
+                sizes.append((len(stats._entries), len(stats._seen)))
+
+    dump(tmp_path, config(task="statistics", save_child=True), run)
+    assert max(max(pair) for pair in sizes) <= 4 * statscache.MIN_ENTRIES
+
+
 @pytest.mark.parametrize("overrides", [
     {},                                                     # layer-level ops only
     {"save_child": True},                                   # every child module and kernel

@@ -5,11 +5,11 @@ Everything here runs on the model thread, so it does only what cannot wait. Per 
 takes the IDs, looks the tensors' statistics up (statscache) and appends one side record
 (statcsv.py) to the layer-level op execution's; statistics that are not known yet are queued
 and computed in one batch when the execution ends, or at once where the probe does not see the
-kernels that could change the tensors before then. Tensor files need a private copy of the bytes at once
-(on an accelerator: a copy to pinned memory that the writer waits for). A layer-level op
-execution's rows join its round's at its end, and a round's rows are handed to the writer when
-the round ends (sooner in a long round: `_RoundRows`); formatting, encoding and disk I/O happen
-there.
+kernels that could change the tensors before then. Tensor files need a private copy of the
+bytes at once (on an accelerator: a copy to pinned memory that the writer waits for). A
+layer-level op execution's rows join its round's at its end, and a round's rows are handed to
+the writer when the round ends (sooner in a long round: `_RoundRows`); formatting, encoding and
+disk I/O happen there.
 """
 from __future__ import annotations
 

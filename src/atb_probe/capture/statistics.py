@@ -2,8 +2,8 @@
 
 The recorder collects the tensors of a layer-level op execution and asks for their statistics
 in one `compute` call (see `StatsCache.resolve`). Each result goes into a cell (statcells.py)
-that the statistic.csv rows point to; the rows are formatted on the writer thread, which is the only
-reader of the values.
+that the statistic.csv rows point to; the rows are formatted on the writer thread, which is the
+only reader of the values.
 
 What a statistic is (the numbers are those of every earlier version of the probe):
 

@@ -1,5 +1,5 @@
 """Statistics computed once per state of a tensor's memory, not once per appearance, and in
-batches: a lookup that misses queues the tensor and returns a pending cell (statistics.py), and
+batches: a lookup that misses queues the tensor and returns a pending cell (statcells.py), and
 `resolve` computes everything queued in one call (statistics.py).
 
 Each layer-level op execution has its own `Queue`. The recorder resolves it at the end of the
@@ -50,11 +50,15 @@ from ..statcells import EMPTY, QUEUED, new_cell, new_serial, waits_in
 from .statistics import compute, is_dense
 from .tensors import storage_key
 
-# Entries of tensors that died are swept out when a dict reaches its limit: twice what was alive
-# after the last sweep, and at least this. A small floor keeps dead entries (and their weak
-# references, which the garbage collector tracks) from living long enough to be promoted to its
-# oldest generation; doubling keeps the sweeps' cost linear in the insertions.
+# Entries that can no longer be used (their tensor died, or changed since: versions only grow)
+# are swept out when a dict reaches its limit: twice what was left after the last sweep, and at
+# least MIN_ENTRIES. The small floor keeps dead entries (and their weak references, which the
+# garbage collector tracks) from living long enough to be promoted to its oldest generation;
+# doubling keeps the sweeps' cost linear in the insertions. What is left is one entry per live
+# tensor (per view shape of it); a process holding more than MAX_ENTRIES such tensors loses them
+# all at once, and only recomputes statistics.
 MIN_ENTRIES = 512
+MAX_ENTRIES = 1 << 16
 _NO_KEY = object()  # `_lookup` did not compute the memory key
 
 
@@ -115,8 +119,9 @@ class StatsCache:
 
     One cache serves every model thread. `_lock` guards the changes to `_entries`, `_seen` and
     their limits (a store, the sweep that walks the entries, a clear): two threads sweeping at
-    once would delete the same key, or change the dict while the other walks it. Lookups take no lock: a
-    dict read is atomic, and an entry is checked against its live owner before it is used."""
+    once would delete the same key, or change the dict while the other walks it. Lookups take
+    no lock: a dict read is atomic, and an entry is checked against its live owner before it
+    is used."""
 
     def __init__(self):
         self._entries: dict = {}
@@ -244,7 +249,7 @@ class StatsCache:
         with self._lock:
             seen = self._seen
             if len(seen) >= self._seen_limit:
-                self._seen_limit = _sweep(seen)
+                self._seen_limit = _sweep(seen, _stale_seen)
             seen[id(t)] = entry
 
     def _store(self, key, owner, value) -> None:
@@ -255,13 +260,27 @@ class StatsCache:
         with self._lock:
             entries = self._entries
             if len(entries) >= self._limit:
-                self._limit = _sweep(entries)
+                self._limit = _sweep(entries, _stale_entry)
             entries[key] = entry
 
 
-def _sweep(entries: dict) -> int:
-    """Delete the entries whose tensor died (an entry's first item is a weak reference to it);
-    the dict's next limit (see MIN_ENTRIES)."""
-    for k in [k for k, e in entries.items() if e[0]() is None]:
+def _sweep(entries: dict, stale) -> int:
+    """Delete the entries `stale(key, entry)` says are of no more use; the dict's next limit
+    (see MIN_ENTRIES)."""
+    for k in [k for k, e in entries.items() if stale(k, e)]:
         del entries[k]
+    if len(entries) >= MAX_ENTRIES:
+        entries.clear()
     return max(MIN_ENTRIES, 2 * len(entries))
+
+
+def _stale_seen(key, entry) -> bool:
+    """`_seen`: id -> (weak reference to the tensor, its version, cell, data pointer)."""
+    t = entry[0]()
+    return t is None or _version(t) != entry[1]
+
+
+def _stale_entry(key, entry) -> bool:
+    """`_entries`: memory key + (version,) -> (weak reference to the owner, cell)."""
+    owner = entry[0]()
+    return owner is None or _version(owner) != key[-1]
