@@ -198,3 +198,23 @@ def test_statistics_leave_the_users_numpy_error_state_alone(values):
         cells = _cells(1)
         compute([t], cells)
     assert _same(stats_of(cells[0]), _numpy_one(t))
+
+
+def test_device_batches_whose_rows_are_never_formatted_do_not_pile_up(monkeypatch):
+    """A device batch waits in `statcells.device_batches` until the writer formats one of its
+    rows. When rows are never formatted (the writer stopped), batches whose copy has landed
+    are finished once too many wait, so the registry stays bounded and their cells are filled."""
+    from atb_probe.capture import statistics
+    from atb_probe.statcells import device_batches
+
+    monkeypatch.setattr(statistics, "MAX_DEVICE_BATCHES", 4)
+    device_batches.clear()
+    cells = []
+    for i in range(20):
+        batch = _cells(2)
+        device_batch([prepare(torch.randn(8)), prepare(torch.randn(3))], batch)
+        cells += batch
+        assert len(device_batches) <= 4
+    assert all(c[-1] == READY for c in cells[:-8])  # finished while the registry was full
+    assert all(stats_of(c) is not None for c in cells)  # and the rest on reading
+    assert not device_batches
