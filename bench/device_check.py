@@ -93,7 +93,7 @@ def _check(wl, name: str, pairs: int, base_syncs: int, work: str) -> dict:
     finally:
         atb_probe.disable(timeout=600)
     remove(out)
-    ratios, plain_ratios = [], []
+    ratios, plain_ratios, plain_s, probed_s = [], [], [], []
     for i in range(pairs):
         times = {}
         for side in (("plain", "probed") if i % 2 == 0 else ("probed", "plain")):
@@ -114,10 +114,13 @@ def _check(wl, name: str, pairs: int, base_syncs: int, work: str) -> dict:
                 copy = os.path.join(work, "plain")
                 times["written"] = plain_write(files, copy)
                 remove(copy)
+        plain_s.append(times["plain"])
+        probed_s.append(times["probed"])
         ratios.append(times["probed"] / times["plain"])
         plain_ratios.append(times["probed"] / (times["plain"] + times["written"]))
     return {"case": name, "syncs": syncs, "mode": mode, "error": error,
-            "ratio": statistics.median(ratios),
+            "ratio": statistics.median(ratios), "plain_ms": 1e3 * statistics.median(plain_s),
+            "probed_ms": 1e3 * statistics.median(probed_s),
             "plain_ratio": statistics.median(plain_ratios) if BY_NAME[name].plain_baseline
             else None}
 
@@ -148,15 +151,16 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; workload "
           f"{opts.workload}; {opts.pairs} pairs; the un-probed model synchronises "
           f"{base_syncs} times inside its forwards per generation")
-    print("| case | goal | ratio | probed / (un-probed + plain write) | syncs in forwards "
-          "(un-probed) | probe error |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| case | goal | ratio | un-probed ms | probed ms | probed / (un-probed + plain write) "
+          "| syncs in forwards (un-probed) | probe error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     failed = False
     for r in results:
         synced = r["syncs"] > base_syncs or r["error"] is not None
         failed |= synced
         plain = f"{r['plain_ratio']:.2f}" if r["plain_ratio"] is not None else ""
-        print(f"| {r['case']} | {GOALS.get(r['case'], '')} | {r['ratio']:.2f} | {plain} | "
+        print(f"| {r['case']} | {GOALS.get(r['case'], '')} | {r['ratio']:.2f} | "
+              f"{r['plain_ms']:.1f} | {r['probed_ms']:.1f} | {plain} | "
               f"{r['syncs']} ({base_syncs}; mode {r['mode']}) | {r['error'] or ''} |")
     print("no sync by the probe inside a round" if not failed else
           "THE PROBE SYNCHRONISED INSIDE A ROUND (see the table)")
