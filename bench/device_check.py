@@ -130,7 +130,13 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--workload", choices=sorted(workloads.SPECS), default="small")
+    parser.add_argument("--no-segments", action="store_true",
+                        help="reduce a batch's tensors one by one (statistics.device_row), not "
+                        "by segments: the A/B of that choice")
     opts = parser.parse_args(argv)
+    if opts.no_segments:
+        from atb_probe.capture import statistics as probe_statistics
+        probe_statistics.SEGMENTS_FROM = 1 << 62
     if not torch.cuda.is_available():
         print("device_check needs a CUDA GPU (torch.cuda.is_available() is False here); "
               "nothing checked.")
@@ -149,7 +155,9 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; workload "
-          f"{opts.workload}; {opts.pairs} pairs; the un-probed model synchronises "
+          f"{opts.workload}; {opts.pairs} pairs; statistics "
+          f"{'tensor by tensor' if opts.no_segments else 'by segments'}; the un-probed model "
+          f"synchronises "
           f"{base_syncs} times inside its forwards per generation")
     print("| case | goal | ratio | un-probed ms | probed ms | probed / (un-probed + plain write) "
           "| syncs in forwards (un-probed) | probe error |")
@@ -162,6 +170,10 @@ def main(argv=None) -> int:
         print(f"| {r['case']} | {GOALS.get(r['case'], '')} | {r['ratio']:.2f} | "
               f"{r['plain_ms']:.1f} | {r['probed_ms']:.1f} | {plain} | "
               f"{r['syncs']} ({base_syncs}; mode {r['mode']}) | {r['error'] or ''} |")
+    from atb_probe.capture import statistics as probe_statistics
+    if probe_statistics.segment_failure is not None:
+        print("statistics by segments failed, batches went tensor by tensor: "
+              f"{probe_statistics.segment_failure}")
     print("no sync by the probe inside a round" if not failed else
           "THE PROBE SYNCHRONISED INSIDE A ROUND (see the table)")
     return 1 if failed else 0

@@ -12,6 +12,7 @@ from torch import nn
 
 import atb_probe
 from atb_probe.binread import load_numpy
+from atb_probe.capture import statistics
 from atb_probe.capture.statistics import compute
 from atb_probe.statcells import new_cell, new_serial, values
 from atb_probe.tools.compare import compare_dumps
@@ -78,6 +79,18 @@ def test_device_statistics_equal_the_host_statistics(batched):
         assert g is not None, name
         assert _close(w, g, 1e-5), (name, w, g)
     assert math.isfinite(got[names.index("overflows float32")][3])
+    assert statistics.segment_failure is None
+
+
+def test_many_tensors_of_a_batch_are_reduced_by_segments_on_the_device():
+    g = torch.Generator().manual_seed(1)
+    host = [torch.randn(int(n), generator=g) for n in torch.randint(1, 3000, (200,), generator=g)]
+    host += [torch.tensor([1.0, float("nan")])] * 3 + [torch.randn(statistics.SEGMENT_ELEMENTS + 1)]
+    host += [t.bfloat16() for t in host[:50]]
+    want, got = _stats(host), _stats([t.cuda() for t in host])
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert _close(w, g, 1e-5), (i, w, g)
+    assert statistics.segment_failure is None and "cuda" not in statistics.no_segments
 
 
 class Stack(nn.Module):
@@ -114,6 +127,7 @@ def test_the_probe_never_synchronises_inside_a_round(tmp_path, task, save_child)
             for _ in range(3):
                 model(x)  # raises here if the model's own code synchronised
         assert probe.last_error is None, probe.last_error
+        assert statistics.segment_failure is None, statistics.segment_failure
     finally:
         on.remove(), off.remove()
         torch.cuda.set_sync_debug_mode("default")

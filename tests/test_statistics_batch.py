@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from atb_probe.capture import statistics
 from atb_probe.capture.statistics import compute, dense_flat, device_batch, prepare
 from atb_probe.statcells import READY, new_cell, new_serial, values as stats_of
 
@@ -41,13 +42,13 @@ def _torch_one(t: torch.Tensor):
     """The accelerator formula, one tensor at a time, with a host transfer per tensor."""
     x = dense_flat(prepare(t))  # storage order, as before
     low, high = torch.aminmax(x)
-    high, low, total, norm = torch.stack((high, low, x.sum(),
-                                          torch.linalg.vector_norm(x))).double().tolist()
-    if not (math.isfinite(total) and math.isfinite(norm)) and math.isfinite(high) \
+    high, low, total, squares = torch.stack((high, low, x.sum(),
+                                             torch.dot(x, x))).double().tolist()
+    if not (math.isfinite(total) and math.isfinite(squares)) and math.isfinite(high) \
             and math.isfinite(low):
         wide = x.double()
-        total, norm = torch.stack((wide.sum(), torch.linalg.vector_norm(wide))).tolist()
-    return high, low, total / x.numel(), norm
+        total, squares = torch.stack((wide.sum(), torch.dot(wide, wide))).tolist()
+    return high, low, total / x.numel(), math.sqrt(squares)
 
 
 def _dense(x: torch.Tensor) -> bool:
@@ -116,9 +117,10 @@ def test_float32_overflow_falls_back_to_float64_sums():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_device_path_gives_the_per_tensor_device_formula_bit_for_bit(seed):
-    """The device code run on CPU tensors: one stacked transfer for the whole batch gives what
-    a transfer per tensor gave (the float64 fallback included)."""
+def test_the_device_path_gives_the_per_tensor_device_formula_bit_for_bit(seed, monkeypatch):
+    """The device code run on CPU tensors, tensor by tensor: one stacked transfer for the whole
+    batch gives what a transfer per tensor gave (the float64 fallback included)."""
+    monkeypatch.setattr(statistics, "SEGMENTS_FROM", 10 ** 9)
     tensors = _tensors(seed)
     cells = _cells(len(tensors))
     device_batch([prepare(t) for t in tensors], cells)
@@ -133,6 +135,49 @@ def test_device_and_host_paths_agree_to_float32_rounding():
     device_batch([prepare(t) for t in tensors], device)
     for t, a, b in zip(tensors, host, device):
         assert stats_of(a) == pytest.approx(stats_of(b), rel=1e-4, abs=1e-5, nan_ok=True), t.dtype
+
+
+def _agree(got, want) -> bool:
+    """Max and min equal (nan to nan, either zero to either zero), mean and norm to float32
+    rounding."""
+    if [repr(abs(x)) if x == 0 else repr(x) for x in got[:2]] != \
+            [repr(abs(x)) if x == 0 else repr(x) for x in want[:2]]:
+        return False
+    return got[2:] == pytest.approx(want[2:], rel=1e-5, abs=1e-6, nan_ok=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("part", [64, 5000, statistics.SEGMENT_ELEMENTS])
+def test_tensors_reduced_by_segments_get_their_own_statistics(seed, part, monkeypatch):
+    """The device path's batches (run here on CPU tensors): tensors of one dtype concatenated
+    and reduced by segments, in parts of at most `part` elements (a larger tensor alone), give
+    the host path's statistics, nan, inf and the float64 fallback included."""
+    monkeypatch.setattr(statistics, "SEGMENT_ELEMENTS", part)
+    tensors = _tensors(seed) + [torch.tensor([2.0, float("nan"), -3.0]) for _ in range(3)] + \
+        [torch.tensor([float("inf"), -float("inf")]), torch.tensor([-float("inf"), 1.0])]
+    order = torch.randperm(len(tensors), generator=torch.Generator().manual_seed(seed)).tolist()
+    tensors = [tensors[i] for i in order]
+    cells = _cells(len(tensors))
+    device_batch(tensors, cells)
+    assert statistics.segment_failure is None
+    for t, cell in zip(tensors, cells):
+        assert _agree(stats_of(cell), _numpy_one(t)), (t.dtype, tuple(t.shape), t.flatten()[:4])
+
+
+def test_a_device_without_segment_reduce_goes_tensor_by_tensor(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("segment_reduce is not implemented for this device")
+
+    monkeypatch.setattr(torch, "segment_reduce", refuse)
+    monkeypatch.setattr(statistics, "no_segments", set())
+    monkeypatch.setattr(statistics, "segment_failure", None)
+    tensors = _tensors(0)
+    cells = _cells(len(tensors))
+    device_batch(tensors, cells)
+    assert statistics.no_segments == {"cpu"}
+    assert statistics.segment_failure.startswith("NotImplementedError: segment_reduce")
+    for t, cell in zip(tensors, cells):
+        assert _same(stats_of(cell), _torch_one(t)), (t.dtype, tuple(t.shape))
 
 
 def test_a_device_batch_is_read_once_whatever_thread_asks():

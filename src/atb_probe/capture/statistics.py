@@ -42,32 +42,87 @@ SMALL = 4096  # elements: max/min of tensors up to this size are batched (`reduc
 
 def compute(tensors: list, cells: list) -> None:
     """Fill `cells[i]` with the statistics of `tensors[i]` (non-empty tensors)."""
-    if len(tensors) == 1:  # an op side computed at once: the common case outside kernels
+    if len(tensors) == 1 and tensors[0].is_cpu:  # an op side computed at once: the common case
         x = prepare(tensors[0])
-        if x.is_cpu:
-            fill(cells[0], _one_quiet(x.numpy().reshape(-1) if x.is_contiguous() else
-                                      dense_flat(x).numpy()))
-            return
+        fill(cells[0], _one_quiet(x.numpy().reshape(-1) if x.is_contiguous() else
+                                  dense_flat(x).numpy()))
+        return
     arrays, host_cells, device = [], [], {}
     with np.errstate(all="ignore"):
         for t, cell in zip(tensors, cells):
-            x = prepare(t)
-            if x.is_cpu:
+            if t.is_cpu:
+                x = prepare(t)
                 arrays.append(x.numpy().reshape(-1) if x.is_contiguous() else
                               dense_flat(x).numpy())
                 host_cells.append(cell)
             else:
-                device.setdefault(x.device, []).append((x, cell))
+                device.setdefault(t.device, []).append((t, cell))
         if arrays:
             _host(arrays, host_cells)
     for items in device.values():
-        device_batch([x for x, _ in items], [c for _, c in items])
+        device_batch([t for t, _ in items], [c for _, c in items])
+
+
+# Tensors of one dtype, from this many on, are reduced together by segments (`segment_rows`),
+# in parts of at most SEGMENT_ELEMENTS elements; a larger tensor is reduced alone.
+SEGMENTS_FROM = 3
+SEGMENT_ELEMENTS = 1 << 22
+# Device types on which `torch.segment_reduce` failed (their batches go tensor by tensor), and
+# the first such failure, for the record.
+no_segments: set = set()
+segment_failure: str | None = None
 
 
 def device_batch(tensors: list, cells: list) -> None:
-    """Statistics of prepared tensors of one device, computed there: the cells fill when the
-    writer asks for them (see `DeviceBatch`)."""
-    DeviceBatch([device_row(x) for x in tensors], cells, [x.numel() for x in tensors])
+    """Statistics of tensors of one device, computed there: the cells fill when the writer asks
+    for them (see `DeviceBatch`).
+
+    Each tensor costs a Python call and a device kernel per torch operation: several per tensor
+    (`device_row`) add up to most of a small model's decode step on a GPU. So tensors of one
+    dtype are concatenated and reduced by segments, a fixed number of operations for the part
+    (`segment_rows`)."""
+    groups: dict = {}
+    for t, cell in zip(tensors, cells):
+        groups.setdefault(t.dtype, []).append((t, cell))
+    rows, ordered, counts = [], [], []
+    for items in groups.values():
+        part, size = [], 0
+        for t, cell in items:
+            n = t.numel()
+            if n > SEGMENT_ELEMENTS or len(items) < SEGMENTS_FROM or \
+                    t.device.type in no_segments:
+                rows.append(device_row(prepare(t)).unsqueeze(0))
+                ordered.append(cell)
+                counts.append(n)
+                continue
+            if size + n > SEGMENT_ELEMENTS:
+                _add_segments(part, rows, ordered, counts)
+                part, size = [], 0
+            part.append((t, cell))
+            size += n
+        _add_segments(part, rows, ordered, counts)
+    DeviceBatch(rows[0] if len(rows) == 1 else torch.cat(rows), ordered, counts)
+
+
+def _add_segments(part: list, rows: list, cells: list, counts: list) -> None:
+    """Append the rows of `part` ((tensor, cell) pairs of one dtype) to `rows`, its cells to
+    `cells` and its element counts to `counts`: by segments, else tensor by tensor."""
+    if not part:
+        return
+    tensors = [t for t, _ in part]
+    if len(part) == 1:
+        block = device_row(prepare(tensors[0])).unsqueeze(0)
+    else:
+        try:
+            block = segment_rows(tensors)
+        except Exception as exc:  # no segment_reduce for this device (or this torch)
+            global segment_failure
+            no_segments.add(tensors[0].device.type)
+            segment_failure = segment_failure or f"{type(exc).__name__}: {exc}"
+            block = torch.stack([device_row(prepare(t)) for t in tensors])
+    rows.append(block)
+    cells.extend(c for _, c in part)
+    counts.extend(t.numel() for t in tensors)
 
 
 def prepare(t: torch.Tensor) -> torch.Tensor:
@@ -159,20 +214,70 @@ def _one(a, high=None, low=None) -> tuple:
 
 def device_row(x: torch.Tensor) -> torch.Tensor:
     """(max, min, sum, norm, sum in float64, norm in float64) of a prepared tensor, as a
-    float64 tensor on its device: kernels queued, nothing waited for."""
+    float64 tensor on its device: kernels queued, nothing waited for. The sum of squares is a
+    `dot` in the tensor's type, as on the host, and its square root is taken in float64."""
     x = dense_flat(x)
     low, high = torch.aminmax(x)
-    row = torch.stack((high, low, x.sum(), torch.linalg.vector_norm(x))).double()
+    row = torch.stack((high, low, x.sum(), torch.dot(x, x)))
     if x.dtype is torch.float64:
-        return torch.cat((row, row[2:]))
-    wide = x.double()
-    return torch.cat((row, torch.stack((wide.sum(), torch.linalg.vector_norm(wide)))))
+        row = torch.cat((row, row[2:]))
+    else:
+        wide = x.double()
+        row = torch.cat((row.double(), torch.stack((wide.sum(), torch.dot(wide, wide)))))
+    row[3::2].sqrt_()
+    return row
+
+
+def segment_rows(tensors: list) -> torch.Tensor:
+    """The `device_row`s of tensors of one dtype and device, stacked, from one concatenation of
+    their values: max, min, sum and sum of squares by `torch.segment_reduce`, accumulated in
+    the type of `prepare` (float32, or float64), and again in float64. Kernels queued, nothing
+    waited for: the segment offsets go to the device from pinned memory without blocking, and
+    `unsafe` skips the checks that would read them back."""
+    data = torch.cat([dense_flat(_values(t)) for t in tensors])
+    if data.dtype is not torch.float32 and data.dtype is not torch.float64:
+        data = data.to(torch.float32 if data.is_floating_point() or data.dtype is torch.bool
+                       else torch.float64)
+    ends, total = [0], 0
+    for t in tensors:
+        total += t.numel()
+        ends.append(total)
+    offsets = torch.tensor(ends, dtype=torch.int64)
+    if not data.is_cpu:
+        offsets = offsets.pin_memory().to(data.device, non_blocking=True)
+
+    def by_segment(values, how):
+        return torch.segment_reduce(values, how, offsets=offsets, unsafe=True)
+
+    sums = [by_segment(data, "sum"), by_segment(data * data, "sum")]
+    if data.dtype is torch.float64:
+        sums += sums
+    else:
+        wide = data.double()
+        sums += [by_segment(wide, "sum"), by_segment(wide * wide, "sum")]
+    high, low = by_segment(data, "max"), by_segment(data, "min")
+    block = torch.stack((high, low, sums[0], sums[1], sums[2], sums[3]), 1).double()
+    block[:, 3::2].sqrt_()  # sums of squares -> norms
+    return block
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """`prepare` but for the dtype: detached, negation resolved, complex as magnitudes."""
+    x = t.detach() if t.requires_grad else t
+    if x.is_complex():
+        x = x.abs()
+    if x.is_neg():
+        x = x.resolve_neg()
+    return x
 
 
 def finish_row(values, n: int) -> tuple:
     """The statistics of a `device_row` brought to the host: the float64 sums where the
-    float32 ones overflowed."""
+    float32 ones overflowed; max and min nan where a value is nan (its sum of squares is nan
+    exactly then), as numpy gives them, whatever the device's max and min do with nan."""
     high, low, total, norm, total64, norm64 = values
+    if norm64 != norm64:
+        high = low = norm64
     if _overflowed(high, low, total, norm):
         total, norm = total64, norm64
     return high, low, total / n, norm
@@ -183,8 +288,7 @@ class DeviceBatch:
     cells say `DEVICE` and name it by its serial (`statcells.values` finds it in
     `device_batches`)."""
 
-    def __init__(self, rows: list, cells: list, counts: list):
-        stacked = torch.stack(rows)
+    def __init__(self, stacked: torch.Tensor, cells: list, counts: list):
         if stacked.is_cpu:  # CPU tensors sent this way (tests): nothing to wait for
             self.host, self.event = stacked, None
         else:
