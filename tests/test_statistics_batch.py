@@ -1,9 +1,11 @@
-"""Statistics computed in batches give the numbers of one tensor at a time, bit for bit.
+"""Statistics computed in batches give the numbers of one tensor at a time.
 
 The CPU path batches max and min of small tensors (`reduceat` over their concatenation) and keeps
-numpy's own `add.reduce` and `dot` per tensor; the accelerator path runs the same torch code as
-before on the device and brings all rows of a batch back in one copy. Both are checked here on
-CPU tensors against the per-tensor formulas the probe used before batching.
+numpy's own `add.reduce` and `dot` per tensor: checked bit for bit against the per-tensor
+formula the probe used before batching. The accelerator path (run here on CPU tensors) reduces
+a batch's tensors of one dtype by segments, or tensor by tensor, with float64 sums, and brings
+all rows of a batch back in one copy: tensor by tensor it gives the per-tensor torch formula bit
+for bit; by segments, and against the host's float32 sums, the same to float32 rounding.
 """
 from __future__ import annotations
 
@@ -39,16 +41,16 @@ def _numpy_one(t: torch.Tensor):
 
 
 def _torch_one(t: torch.Tensor):
-    """The accelerator formula, one tensor at a time, with a host transfer per tensor."""
+    """The accelerator formula, one tensor at a time, with a host transfer per tensor: sums
+    accumulated in float64."""
     x = dense_flat(prepare(t))  # storage order, as before
     low, high = torch.aminmax(x)
-    high, low, total, squares = torch.stack((high, low, x.sum(),
-                                             torch.dot(x, x))).double().tolist()
-    if not (math.isfinite(total) and math.isfinite(squares)) and math.isfinite(high) \
-            and math.isfinite(low):
-        wide = x.double()
-        total, squares = torch.stack((wide.sum(), torch.dot(wide, wide))).tolist()
-    return high, low, total / x.numel(), math.sqrt(squares)
+    high, low = float(high), float(low)
+    total = float(x.sum(dtype=torch.float64))
+    norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+    if math.isnan(norm):
+        high = low = norm
+    return high, low, total / x.numel(), norm
 
 
 def _dense(x: torch.Tensor) -> bool:
@@ -119,7 +121,7 @@ def test_float32_overflow_falls_back_to_float64_sums():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_device_path_gives_the_per_tensor_device_formula_bit_for_bit(seed, monkeypatch):
     """The device code run on CPU tensors, tensor by tensor: one stacked transfer for the whole
-    batch gives what a transfer per tensor gave (the float64 fallback included)."""
+    batch gives what a transfer per tensor gave."""
     monkeypatch.setattr(statistics, "SEGMENTS_FROM", 10 ** 9)
     tensors = _tensors(seed)
     cells = _cells(len(tensors))
@@ -199,7 +201,7 @@ def test_the_device_path_through_the_whole_probe_gives_the_golden_statistics(tmp
                                                                             monkeypatch):
     """Every statistic routed through the accelerator code (device rows, one stacked copy, cells
     filled when the writer formats the rows) on the exact-arithmetic model of the golden dump:
-    max, min and mean as the golden csv says; the norm, a float32 square root on that path,
+    max, min and mean as the golden csv says; the norm, summed in float64 on that path,
     to float32 precision."""
     from atb_probe.capture import statscache
     from test_dump_golden import CONFIGS, _golden, make_dump

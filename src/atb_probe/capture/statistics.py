@@ -5,11 +5,11 @@ in one `compute` call (see `StatsCache.resolve`). Each result goes into a cell (
 that the statistic.csv rows point to; the rows are formatted on the writer thread, which is the
 only reader of the values.
 
-What a statistic is (the numbers are those of every earlier version of the probe):
+What a statistic is (on the host, the numbers of every earlier version of the probe, bit for bit):
 
-* Accumulated in float32 (float64 for double and integer tensors), over the tensor's memory in
-  storage order (a transposed view is reduced as fast as its base); the mean is the sum
-  divided by the element count. Where a float32 sum or sum of squares overflows although every
+* On the host, accumulated in float32 (float64 for double and integer tensors), over the
+  tensor's memory in storage order (a transposed view is reduced as fast as its base); the
+  mean is the sum divided by the element count. Where a float32 sum or sum of squares overflows although every
   element is finite (values beyond ~1e19), that tensor is summed again in float64, so a
   representable norm is never reported as inf. inf and nan in the data are results, not
   errors: numpy is kept from warning about them in the user's process.
@@ -19,11 +19,16 @@ What a statistic is (the numbers are those of every earlier version of the probe
   batch come from one `reduceat` over their concatenation (max and min do not depend on the
   order, and numpy's `reduceat` gives the same values as a `reduce` per tensor, signed zeros
   and nan included).
-* Accelerator tensors are reduced on their device by the same torch code as before, the
-  float64 sums beside the float32 ones (so the overflow fallback needs no round trip), every
-  tensor's six numbers stacked into one device buffer per batch and copied to pinned host
-  memory without blocking. A `DeviceBatch` records an event after the copy; the writer waits
-  on it (`statcells.values`) when it formats the rows. The model thread never synchronises.
+* Accelerator tensors are reduced on their device, the sum and the sum of squares accumulated
+  in float64 (more exact than float32 and beyond its range, so no overflow fallback and no
+  second pass: a small decode step on a GPU is bound by kernel launches, so the device path
+  counts operations). A
+  batch's tensors of one dtype are concatenated and reduced by segments (`segment_rows`): a
+  fixed number of kernels per batch; a lone tensor, a larger one and a device without
+  `torch.segment_reduce` go tensor by tensor (`device_row`, four operations). Every tensor's
+  four numbers end in one device buffer per batch, copied to pinned host memory without
+  blocking. A `DeviceBatch` records an event after the copy; the writer waits on it
+  (`statcells.values`) when it formats the rows. The model thread never synchronises.
 """
 from __future__ import annotations
 
@@ -213,31 +218,20 @@ def _one(a, high=None, low=None) -> tuple:
 
 
 def device_row(x: torch.Tensor) -> torch.Tensor:
-    """(max, min, sum, norm, sum in float64, norm in float64) of a prepared tensor, as a
-    float64 tensor on its device: kernels queued, nothing waited for. The sum of squares is a
-    `dot` in the tensor's type, as on the host, and its square root is taken in float64."""
+    """(max, min, sum, norm) of a prepared tensor, the sum and the norm accumulated in float64,
+    as a float64 tensor on its device: four operations queued, nothing waited for."""
     x = dense_flat(x)
     low, high = torch.aminmax(x)
-    row = torch.stack((high, low, x.sum(), torch.dot(x, x)))
-    if x.dtype is torch.float64:
-        row = torch.cat((row, row[2:]))
-    else:
-        wide = x.double()
-        row = torch.cat((row.double(), torch.stack((wide.sum(), torch.dot(wide, wide)))))
-    row[3::2].sqrt_()
-    return row
+    return torch.stack((high, low, x.sum(dtype=torch.float64),
+                        torch.linalg.vector_norm(x, dtype=torch.float64)))
 
 
 def segment_rows(tensors: list) -> torch.Tensor:
     """The `device_row`s of tensors of one dtype and device, stacked, from one concatenation of
-    their values: max, min, sum and sum of squares by `torch.segment_reduce`, accumulated in
-    the type of `prepare` (float32, or float64), and again in float64. Kernels queued, nothing
-    waited for: the segment offsets go to the device from pinned memory without blocking, and
-    `unsafe` skips the checks that would read them back."""
-    data = torch.cat([dense_flat(_values(t)) for t in tensors])
-    if data.dtype is not torch.float32 and data.dtype is not torch.float64:
-        data = data.to(torch.float32 if data.is_floating_point() or data.dtype is torch.bool
-                       else torch.float64)
+    their values in float64: max, min, sum and sum of squares by `torch.segment_reduce`.
+    Kernels queued, nothing waited for: the segment offsets go to the device from pinned
+    memory without blocking, and `unsafe` skips the checks that would read them back."""
+    data = torch.cat([dense_flat(_values(t)) for t in tensors]).double()
     ends, total = [0], 0
     for t in tensors:
         total += t.numel()
@@ -249,15 +243,9 @@ def segment_rows(tensors: list) -> torch.Tensor:
     def by_segment(values, how):
         return torch.segment_reduce(values, how, offsets=offsets, unsafe=True)
 
-    sums = [by_segment(data, "sum"), by_segment(data * data, "sum")]
-    if data.dtype is torch.float64:
-        sums += sums
-    else:
-        wide = data.double()
-        sums += [by_segment(wide, "sum"), by_segment(wide * wide, "sum")]
-    high, low = by_segment(data, "max"), by_segment(data, "min")
-    block = torch.stack((high, low, sums[0], sums[1], sums[2], sums[3]), 1).double()
-    block[:, 3::2].sqrt_()  # sums of squares -> norms
+    block = torch.stack((by_segment(data, "max"), by_segment(data, "min"),
+                         by_segment(data, "sum"), by_segment(data * data, "sum")), 1)
+    block[:, 3].sqrt_()  # sums of squares -> norms
     return block
 
 
@@ -272,14 +260,12 @@ def _values(t: torch.Tensor) -> torch.Tensor:
 
 
 def finish_row(values, n: int) -> tuple:
-    """The statistics of a `device_row` brought to the host: the float64 sums where the
-    float32 ones overflowed; max and min nan where a value is nan (its sum of squares is nan
-    exactly then), as numpy gives them, whatever the device's max and min do with nan."""
-    high, low, total, norm, total64, norm64 = values
-    if norm64 != norm64:
-        high = low = norm64
-    if _overflowed(high, low, total, norm):
-        total, norm = total64, norm64
+    """The statistics of a `device_row` brought to the host: max and min nan where a value is
+    nan (the norm is nan exactly then), as numpy gives them, whatever the device's max and min
+    do with nan."""
+    high, low, total, norm = values
+    if norm != norm:
+        high = low = norm
     return high, low, total / n, norm
 
 
