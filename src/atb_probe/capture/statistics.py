@@ -9,10 +9,10 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
 
 * On the host, accumulated in float32 (float64 for double and integer tensors), over the
   tensor's memory in storage order (a transposed view is reduced as fast as its base); the
-  mean is the sum divided by the element count. Where a float32 sum or sum of squares overflows although every
-  element is finite (values beyond ~1e19), that tensor is summed again in float64, so a
-  representable norm is never reported as inf. inf and nan in the data are results, not
-  errors: numpy is kept from warning about them in the user's process.
+  mean is the sum divided by the element count. Where a float32 sum or sum of squares
+  overflows although every element is finite (values beyond ~1e19), that tensor is summed
+  again in float64, so a representable norm is never reported as inf. inf and nan in the data
+  are results, not errors: numpy is kept from warning about them in the user's process.
 * CPU tensors are reduced by numpy: single-threaded, so a busy machine's thread pool never
   makes a small reduction wait. The sum is numpy's `add.reduce` (pairwise) and the sum of
   squares `np.dot` (BLAS) of each tensor, as before; max and min of the small tensors of a
@@ -22,12 +22,11 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
 * Accelerator tensors are reduced on their device, the sum and the sum of squares accumulated
   in float64 (more exact than float32 and beyond its range, so no overflow fallback and no
   second pass: a small decode step on a GPU is bound by kernel launches, so the device path
-  counts operations). A
-  batch's tensors of one dtype are concatenated and reduced by segments (`segment_rows`): a
-  fixed number of kernels per batch; a lone tensor, a larger one and a device without
-  `torch.segment_reduce` go tensor by tensor (`device_row`, four operations). Every tensor's
-  four numbers end in one device buffer per batch, copied to pinned host memory without
-  blocking. A `DeviceBatch` records an event after the copy; the writer waits on it
+  counts operations). A batch's tensors of one dtype are concatenated and reduced by segments
+  (`segment_rows`): a fixed number of kernels per batch; a lone tensor, a larger one and a
+  device without `torch.segment_reduce` go tensor by tensor (`device_row`, four operations).
+  Every tensor's four numbers end in one device buffer per batch, copied to pinned host memory
+  without blocking. A `DeviceBatch` records an event after the copy; the writer waits on it
   (`statcells.values`) when it formats the rows. The model thread never synchronises.
 """
 from __future__ import annotations
