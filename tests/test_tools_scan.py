@@ -8,6 +8,8 @@ final norm's square, taken in float32, would overflow float16).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,6 +132,27 @@ def test_a_nan_in_the_model_input_is_not_blamed_on_the_first_op(tmp_path):
 
 def test_rounds_are_scanned_in_parallel_with_the_same_result(healthy):
     assert scan_dump(str(healthy), jobs=2) == scan_dump(str(healthy), jobs=1)
+
+
+STDIN_SCRIPT = """
+import sys
+from atb_probe.tools.compare import compare_dumps
+from atb_probe.tools.scan import scan_dump
+dump = sys.argv[1]
+one, two = (compare_dumps(dump, dump, jobs=j, batch_elements=1) for j in (1, 2))
+assert two.jobs == 2 and len(two.rows) == len(one.rows) > 0, (two.jobs, len(two.rows))
+assert [r.metrics for r in two.rows] == [r.metrics for r in one.rows]
+assert scan_dump(dump, jobs=2) == scan_dump(dump, jobs=1)
+print("OK", len(two.rows), __file__)
+"""
+
+
+def test_worker_processes_start_from_a_script_read_on_standard_input(healthy):
+    """`python - <<EOF` gives `__main__` the file name "<stdin>", which workers cannot run."""
+    done = subprocess.run([sys.executable, "-", str(healthy)], input=STDIN_SCRIPT, text=True,
+                          capture_output=True, timeout=300, cwd=healthy)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[0] == "OK" and done.stdout.split()[2] == "<stdin>"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -6,11 +6,19 @@ calls, so it runs in processes (`concurrent.futures.ProcessPoolExecutor`), one p
 workers start from a fork server that has already imported the tools: a clean process (no copy
 of a parent's threads or locks, which a plain fork would take along) that costs one import for
 all workers rather than one per worker.
+
+A new worker re-runs the main script of its parent (as `__mp_main__`) when the parent's
+`__main__` names a file, which fails where that file does not exist: a script fed on standard
+input (`python - <<EOF`) has `__file__` "<stdin>". The workers need nothing from the main
+script (their functions live in this package), so while such a pool starts its workers, that
+`__file__` is set aside.
 """
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from multiprocessing import get_context
 
 _PRELOAD = ["atb_probe.tools.compare", "atb_probe.tools.scan"]
@@ -24,14 +32,33 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def worker_pool(jobs: int) -> ProcessPoolExecutor:
-    """A pool of `jobs` worker processes."""
+@contextmanager
+def worker_pool(jobs: int):
+    """A pool of `jobs` worker processes, shut down on leaving: `with worker_pool(n) as pool`.
+    Its workers start at the first task, so the first task goes in inside the block."""
     try:
         context = get_context("forkserver")
         context.set_forkserver_preload(_PRELOAD)
     except ValueError:          # no fork server on this platform
         context = get_context("spawn")
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=context)
+    with _main_file_set_aside(), ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        yield pool
+
+
+@contextmanager
+def _main_file_set_aside():
+    """Remove `__main__.__file__` for the duration when workers could not run that file (see
+    the module docstring); otherwise do nothing."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 class progress_bar:
