@@ -238,9 +238,10 @@ class Probe:
         """The status document, `atb_dump_data/status/<dev>_<pid>.json` (SPEC §4).
 
         pid, device; state "sleeping" | "dumping"; device_selected (while dumping: whether the
-        config's `device` list lets this process dump at all, else null); exited (true once the probe closed: every
-        file is written or `last_error` says what was not); rounds_started (root calls seen
-        since the probe first woke: the number the next round gets), rounds_dumped;
+        config's `device` list lets this process dump at all, else null); exited (true once the
+        probe closed: every file is written or `last_error` says what was not); rounds_started
+        (root calls seen since the probe first woke: the number the next round gets),
+        rounds_dumped;
         files_written, bytes_written, bytes_queued (accepted, not yet on disk), files_skipped;
         last_error; config (the watched file), config_in_effect (the configuration new rounds
         start under, null while there is none), config_applied_at, config_problem (why the file

@@ -101,7 +101,8 @@ def _summary(result: CompareResult) -> str:
     rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>"
                    for k, v in result.summary_lines() if k != "first divergence")
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
-    return f"<h2>Summary</h2><table class='kv'>{rows}<tr><th>generated</th><td>{stamp}</td></tr></table>"
+    return (f"<h2>Summary</h2><table class='kv'>{rows}"
+            f"<tr><th>generated</th><td>{stamp}</td></tr></table>")
 
 
 def _plots(result) -> str:
@@ -308,7 +309,8 @@ line.grid {{ stroke: #ddd; }}
 .ring {{ fill: none; stroke: #cc2222; stroke-width: 2; }}
 .nf {{ fill: none; stroke: #8a2be2; stroke-width: 2; }}
 table.grid tr.nf td:first-child {{ color: #8a2be2; font-weight: 600; }}
-div.scan {{ background: #f3ecfb; border: 1px solid #b9a0d8; padding: 10px 14px; border-radius: 6px; }}
+div.scan {{ background: #f3ecfb; border: 1px solid #b9a0d8; padding: 10px 14px;
+            border-radius: 6px; }}
 </style></head><body>"""
 
 _SCRIPT = """<script>

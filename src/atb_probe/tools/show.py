@@ -65,7 +65,8 @@ def build_tree(dump, depth: int):
     models = dump.info_files("model")
     for proc in dump.processes:
         files, size = _sum(t for r in proc.rounds for t in r.tensors)
-        label = f"[bold]{proc.name}[/]  {len(proc.rounds)} round(s), {files} tensors, {size_text(size)}"
+        label = (f"[bold]{proc.name}[/]  {len(proc.rounds)} round(s), {files} tensors, "
+                 f"{size_text(size)}")
         phases = [os.path.basename(p)[:-5] for p in models.get(proc.name, [])]
         if phases:
             label += f"  model: {', '.join(phases)}"

@@ -116,7 +116,8 @@ def _status(args) -> int:
         print(f"{d['name']:>16}  {state:<8}  rounds {d.get('rounds_dumped', 0):>4} dumped "
               f"of {d.get('rounds_started', 0):>4}  files {d.get('files_written', 0):>7}  "
               f"written {size_text(d.get('bytes_written', 0)):>9}  "
-              f"queued {size_text(d.get('bytes_queued', 0)):>9}  updated {d.get('updated_at', '?')}")
+              f"queued {size_text(d.get('bytes_queued', 0)):>9}  "
+              f"updated {d.get('updated_at', '?')}")
         print(f"{'':>16}  {_describe_config(d)}")
         if d["alive"] and d.get("device_selected") is False:
             print(f"{'':>16}  not selected: device {d.get('device')} is not in the config's "
