@@ -130,18 +130,27 @@ def _add_segments(part: list, rows: list, cells: list, counts: list) -> None:
 
 
 def prepare(t: torch.Tensor) -> torch.Tensor:
-    """`t` as the float32 or float64 tensor its statistics are computed over."""
+    """`t` as the float32 or float64 tensor its statistics are computed over: its `_values`
+    in float32 (floating point and bool) or float64 (double and integers)."""
+    x = _values(t)
+    if x.dtype is not torch.float32 and x.dtype is not torch.float64:
+        x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
+                 else torch.float64)
+    return x
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """The values whose statistics are computed, in their own dtype: `t` detached, a lazy
+    negation resolved, a complex tensor's magnitudes."""
     x = t.detach() if t.requires_grad else t
-    dtype = x.dtype
-    if dtype is not torch.float32 and dtype is not torch.float64:
-        if x.is_complex():
-            x = x.abs()
-        if x.dtype is not torch.float32 and x.dtype is not torch.float64:
-            x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
-                     else torch.float64)
+    if x.dtype in _COMPLEX:
+        x = x.abs()
     if x.is_neg():
         x = x.resolve_neg()
     return x
+
+
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 
 
 def _host(arrays: list, cells: list) -> None:
@@ -246,16 +255,6 @@ def segment_rows(tensors: list) -> torch.Tensor:
                          by_segment(data, "sum"), by_segment(data * data, "sum")), 1)
     block[:, 3].sqrt_()  # sums of squares -> norms
     return block
-
-
-def _values(t: torch.Tensor) -> torch.Tensor:
-    """`prepare` but for the dtype: detached, negation resolved, complex as magnitudes."""
-    x = t.detach() if t.requires_grad else t
-    if x.is_complex():
-        x = x.abs()
-    if x.is_neg():
-        x = x.resolve_neg()
-    return x
 
 
 def finish_row(values, n: int) -> tuple:
