@@ -76,11 +76,7 @@ class Recorder:
     def module_outputs(self, rnd, frame, out, named: bool) -> None:
         if not (frame.dump or _collecting(frame)):
             return
-        if isinstance(out, torch.Tensor):
-            items = [("", out)]
-        else:
-            items = []
-            flatten(out, "", items, {}, name_items=False)
+        items = [("", out)] if isinstance(out, torch.Tensor) else _output_items(out)
         frame.outputs = len(items)
         if frame.dump:
             labels = self.write_side(rnd, frame, "output", items, named, kernel=False)
@@ -136,11 +132,8 @@ class Recorder:
                                "args": params}
 
     def kernel_outputs(self, rnd, frame, out) -> None:
-        if isinstance(out, torch.Tensor):  # most kernels
-            items = [("", out)]
-        else:
-            items = []
-            flatten(out, "", items, {}, name_items=False)
+        # Most kernels return one tensor.
+        items = [("", out)] if isinstance(out, torch.Tensor) else _output_items(out)
         frame.outputs = len(items)
         if frame.dump:
             self.write_side(rnd, frame, "output", items, named=False, kernel=True)
@@ -453,6 +446,13 @@ def _safe_label(label: str) -> str:
 
 
 _INDEX = tuple(str(i) for i in range(64))
+
+
+def _output_items(out) -> list:
+    """The (label, tensor) items of what an op returned that is not a single tensor."""
+    items = []
+    flatten(out, "", items, {}, name_items=False)
+    return items
 
 
 def _tensors_of(pairs, items: list) -> None:
