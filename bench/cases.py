@@ -71,6 +71,10 @@ CASES = [
     Case("track-only", "atb-probe",
          "op_name matching nothing: every module and kernel tracked, nothing written",
          _atb(task="statistics", op_name="no_such_op")),
+    Case("walk-only", "atb-probe",
+         "ids matching nothing: dumped rounds walk the call tree to the layer-level ops, "
+         "nothing recorded or written",
+         _atb(task="statistics", ids="999999")),
     Case("stat-layer", "atb-probe", "statistics, layer-level ops",
          _atb(task="statistics"), Goal("ratio", 1.3)),
     Case("stat-child", "atb-probe", "statistics, save_child (every module and kernel)",
