@@ -8,15 +8,17 @@ probe when it imports torch. For notebooks and tests::
     model(...)
     atb_probe.disable()                                     # flushes everything to disk
 
-`atb_probe.load(path)` reads one `.bin` file back as a torch tensor; `atb_probe.open_dump(path)`
-walks a whole dump.
+`atb_probe.step()` marks one inference step of a serving loop (several root modules called in
+turn) as one round. `atb_probe.load(path)` reads one `.bin` file back as a torch tensor;
+`atb_probe.open_dump(path)` walks a whole dump.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 __version__ = "0.1.0"
-__all__ = ["enable", "disable", "active", "load", "open_dump", "__version__"]
+__all__ = ["enable", "disable", "active", "step", "load", "open_dump", "__version__"]
 
 _probe = None
 _suppressed = False  # set by the CLI: our own tools never dump themselves
@@ -50,6 +52,40 @@ def disable(timeout: float | None = None) -> bool:
 def active():
     """The running `Probe`, or None."""
     return _probe
+
+
+class step(contextlib.ContextDecorator):
+    """One engine step: every root module called in this thread until it ends makes one round
+    (one folder, one statistic.csv, layer-level IDs continuing from one root to the next).
+    A context manager and a decorator; `phase` ("Prefill" or "Decoder") names the step's phase
+    where no cache argument tells it. Nothing happens while no probe runs::
+
+        with atb_probe.step():
+            hidden = model(ids)
+            logits = head(hidden)
+            token = sampler(logits)
+    """
+
+    def __init__(self, phase: str | None = None):
+        if phase not in (None, "Prefill", "Decoder"):
+            raise ValueError(f'phase must be "Prefill", "Decoder" or None, not {phase!r}')
+        self.phase = phase
+        self._engine = None
+
+    def _recreate_cm(self):
+        return type(self)(self.phase)  # as a decorator: one per call, whatever the thread
+
+    def __enter__(self):
+        self._engine = getattr(_probe, "engine", None)
+        if self._engine is not None:
+            self._engine.begin_step(self.phase)
+        return self
+
+    def __exit__(self, *exc):
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.end_step()
+        return False
 
 
 def load(path):

@@ -60,7 +60,8 @@ class Probe:
         self.pid = os.getpid()
         self.device: int | None = None
         self.devpid = layout.devpid(local_rank(), self.pid)
-        self.rounds_dumped = 0
+        self.rounds_dumped = 0     # selected rounds that wrote data
+        self.rounds_empty = 0      # selected rounds that wrote nothing (no op matched)
         self.rounds_started = 0
         self.woken = False
         self.engine = None
@@ -201,11 +202,23 @@ class Probe:
             self.rounds_started = index + 1
         return index
 
-    def round_dumped(self) -> None:
-        """A dumped round has ended: count it and let the status file show it soon."""
+    def round_dumped(self, wrote: bool) -> None:
+        """A dumped round has ended: count it (apart when it wrote nothing) and let the status
+        file show it soon."""
         with self._lock:
-            self.rounds_dumped += 1
+            if wrote:
+                self.rounds_dumped += 1
+            else:
+                self.rounds_empty += 1
         self._kick.set()
+
+    def next_round_dumped(self) -> bool:
+        """Whether the next round would be dumped: an engine asks before a step, to run it
+        eagerly (capture/engines)."""
+        selection = self.selection
+        device = self.device if self.device is not None else local_rank()
+        return selection is not None and not self.writer.failed and \
+            selection.round_selected(self.rounds_started, device)
 
     def decide_device(self, module, args, kwargs) -> int:
         """The device ID of this process, decided at its first round (SPEC §1)."""
@@ -241,7 +254,8 @@ class Probe:
         config's `device` list lets this process dump at all, else null); exited (true once the
         probe closed: every file is written or `last_error` says what was not); rounds_started
         (root calls seen since the probe first woke: the number the next round gets),
-        rounds_dumped;
+        rounds_dumped (selected rounds that wrote data), rounds_empty (selected rounds that wrote
+        nothing: no op matched `ids` / `op_name`);
         files_written, bytes_written, bytes_queued (accepted, not yet on disk), files_skipped;
         last_error; config (the watched file), config_in_effect (the configuration new rounds
         start under, null while there is none), config_applied_at, config_problem (why the file
@@ -260,6 +274,7 @@ class Probe:
             "exited": False,
             "rounds_started": self.rounds_started,
             "rounds_dumped": self.rounds_dumped,
+            "rounds_empty": self.rounds_empty,
             "files_written": stats.files_written,
             "bytes_written": stats.bytes_written,
             "bytes_queued": max(0, stats.bytes_queued),
@@ -288,6 +303,7 @@ class Probe:
         self.writer.reset_after_fork()
         self.tree = self.writer.tree = SafeTree(self.tree.root)
         self.rounds_dumped = 0
+        self.rounds_empty = 0
         self.rounds_started = 0
         self.started_at = utc_now()
         self.proc_start = proc_start(self.pid)

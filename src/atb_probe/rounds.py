@@ -2,7 +2,8 @@
 
 The call tree (`capture/calltree.py`) sees the probe only through `RoundSource`: at a root call
 it asks for a `RoundStart` (the round's index, the selection it runs under, the process's
-`<dev>_<pid>` name, and whether it is dumped), it says when a dumped round is over, and it
+`<dev>_<pid>` name, and whether it is dumped), it says when a dumped round is over (and whether it
+wrote anything), and it
 hands over the errors it caught. Everything it writes goes to a sink, the background
 `record.writer.Writer`. Neither side knows the other's other parts (config watching, the status
 file, process hooks). Pure; no torch.
@@ -31,8 +32,11 @@ class RoundSource(Protocol):
     def start_round(self, module, args: tuple, kwargs: dict) -> RoundStart:
         """A root call begins: number it and decide whether it is dumped."""
 
-    def round_dumped(self) -> None:
-        """A dumped round has ended."""
+    def round_dumped(self, wrote: bool) -> None:
+        """A dumped round has ended; `wrote`: whether it wrote any data."""
+
+    def next_round_dumped(self) -> bool:
+        """Whether the next round this thread starts would be dumped (nothing is numbered)."""
 
     def report(self, exc: BaseException) -> None:
         """A probe error the call tree caught: reported once; the model goes on."""

@@ -142,10 +142,12 @@ class Frame:
 
 
 class Round:
-    """One root call: its number, the configuration it runs under, and its progress."""
+    """One round: a root call, or every root call of one engine step (`Engine.begin_step`);
+    its number, the configuration it runs under, and its progress."""
 
     __slots__ = ("index", "selection", "config", "devpid", "rel", "dumping", "layer_count",
-                 "layer_nodes", "layer_names", "phase", "root_module", "model", "selected")
+                 "layer_nodes", "layer_names", "phase", "root_module", "model", "selected",
+                 "roots", "wrote")
 
     def __init__(self, start: RoundStart, model: Model):
         self.index = start.index
@@ -161,6 +163,8 @@ class Round:
         self.root_module = None
         self.model = model
         self.selected = 0          # ops the selection chose in this round
+        self.roots = 0             # root calls made in it so far (more than one in a step)
+        self.wrote = False         # whether any tensor or statistic.csv row was written
 
 
 class LayerRun:
@@ -181,6 +185,20 @@ class LayerRun:
 class _ThreadState(threading.local):
     def __init__(self):
         self.stack: list[Frame] = []
+        self.round: Round | None = None
+        self.step = None  # the engine step this thread is in (`Step`), or None
+
+
+class Step:
+    """An engine step in one thread: its root calls share one round, started at the first of
+    them and ended with the step (SPEC §8)."""
+
+    __slots__ = ("depth", "phase", "passive", "round")
+
+    def __init__(self, phase: str | None, passive: bool):
+        self.depth = 1             # nested steps join the outer one
+        self.phase = phase         # the engine's word on the phase, or None: the root's cache
+        self.passive = passive     # begun while the probe slept: not a round, even if it wakes
         self.round: Round | None = None
 
 
@@ -265,6 +283,7 @@ class Engine:
         rounds and structure files are its own."""
         self.tls.stack.clear()
         self.tls.round = None
+        self.tls.step = None
         self._lock = threading.Lock()
         self.active_rounds = 0
         self.recorder.after_fork(list(self._models.values()))
@@ -309,16 +328,30 @@ class Engine:
 
     def root_call(self, module, args, kwargs):
         original = self.original_call
-        stack = self.tls.stack
+        tls = self.tls
+        stack = tls.stack
+        step = tls.step
         rnd = None
+        owned = False   # this call started its round, so it ends it
+        as_op = False   # the root is a layer-level op itself
         try:
+            if step is not None:
+                rnd = None if step.passive else step.round
+                if rnd is None and not step.passive and not torch.compiler.is_compiling():
+                    rnd = step.round = self.begin_round(module, args, kwargs, step.phase)
             # Once sleep is requested no new round starts, so the running ones drain and the
             # original __call__ goes back even while other threads keep calling the model.
-            if self._sleep_requested or _joined_mid_call() or torch.compiler.is_compiling():
+            elif not (self._sleep_requested or _joined_mid_call() or
+                      torch.compiler.is_compiling()):
+                rnd = self.begin_round(module, args, kwargs)
+                owned = True
+            if rnd is None:
                 frame = _PASS_FRAME
             else:
-                rnd = self.begin_round(module, args, kwargs)
                 frame = Frame(below=_CONTAINER if rnd.dumping else _PASS)
+                rnd.roots += 1
+                if rnd.dumping:
+                    as_op = self._root_is_op(rnd, module)
         except Exception as exc:
             self.source.report(exc)
             frame = _PASS_FRAME
@@ -327,14 +360,27 @@ class Engine:
             if rnd is not None and rnd.dumping and _FORCE_EAGER is not None and \
                     _DYNAMO in sys.modules:
                 with _FORCE_EAGER("force_eager"):
+                    if as_op:
+                        return self.child_call(frame, module, args, kwargs)
                     return original(module, *args, **kwargs)
+            if as_op:
+                return self.child_call(frame, module, args, kwargs)
             return original(module, *args, **kwargs)
         finally:
             stack.pop()
-            if rnd is not None:
+            if owned:
                 self.end_round(rnd)
 
-    def begin_round(self, module, args, kwargs) -> Round:
+    def _root_is_op(self, rnd: Round, module) -> bool:
+        """Whether a root is a layer-level op itself rather than a container (SPEC §1, §8): a
+        root with no submodule (an `nn.Linear` called as the model), or a later root of an
+        engine step that holds no block list (vLLM's logits processor and sampler; a draft
+        model in the same step still shows its layers)."""
+        if next(iter(module._modules.values()), None) is None:
+            return True
+        return rnd.roots > 1 and not self.info(module).holds_blocks
+
+    def begin_round(self, module, args, kwargs, phase: str | None = None) -> Round:
         start = self.source.start_round(module, args, kwargs)
         with self._lock:
             self.active_rounds += 1
@@ -344,10 +390,44 @@ class Engine:
         self.tls.round = rnd
         if dumping:
             rnd.root_module = module
-            rnd.phase = _phase(self.info(_uncompiled(module)).params, args, kwargs)
+            rnd.phase = phase or _phase(self.info(_uncompiled(module)).params, args, kwargs)
             if model.compiled or _dynamo_compiled():
                 self._say_compiled()
         return rnd
+
+    # -- engine steps -----------------------------------------------------------------------
+
+    def begin_step(self, phase: str | None = None) -> None:
+        """An engine step begins in this thread: its root calls make one round (SPEC §8).
+        `phase` ("Prefill" or "Decoder") is the engine's word on it; None lets the first root
+        call's cache argument tell. A step inside a step is part of it."""
+        step = self.tls.step
+        if step is not None:
+            step.depth += 1
+        else:
+            self.tls.step = Step(phase, passive=self._wrapper is None)
+
+    def end_step(self) -> None:
+        """The step begun last in this thread ends; the outermost ends its round."""
+        step = self.tls.step
+        if step is None:
+            return
+        step.depth -= 1
+        if step.depth:
+            return
+        self.tls.step = None
+        if step.round is not None:
+            self.end_round(step.round)
+
+    def step_dumped(self) -> bool:
+        """Whether the step this thread is in (or the next root call) will be dumped: for an
+        engine's switch to run that step eagerly."""
+        step = self.tls.step
+        if step is not None and step.round is not None:
+            return step.round.dumping
+        if step is not None and step.passive or self._wrapper is None or self._sleep_requested:
+            return False
+        return self.source.next_round_dumped()
 
     def _say_compiled(self) -> None:
         if self._compile_said:
@@ -365,7 +445,7 @@ class Engine:
         try:
             if rnd.dumping:
                 self.recorder.end_round(rnd)
-                self.source.round_dumped()
+                self.source.round_dumped(rnd.wrote)
                 if not rnd.selected:
                     self._warn_unmatched(rnd)
         except Exception as exc:
@@ -523,7 +603,8 @@ class Engine:
                 if dump and op_name.startswith(_COLLECTIVES):
                     _wait_for_collective(op_name, out)
                 if record:
-                    self.recorder.kernel_outputs(rnd, frame, out)
+                    self.recorder.kernel_outputs(rnd, frame, op_name, out,
+                                                 _written_values(pairs, written, out))
                     self.recorder.child_done(top, frame)
             except Exception as exc:
                 self.source.report(exc)
@@ -549,6 +630,22 @@ def _dynamo_compiled() -> bool:
 
 
 _COLLECTIVES = ("c10d.", "_c10d_functional.")
+
+
+def _written_values(pairs, written: tuple, out) -> list:
+    """The arguments a kernel wrote (`Tensor(a!)`, SPEC §8) that it did not also return (an
+    in-place op returns its `self`), as (name, value) pairs: outputs too, after the kernel."""
+    if not written:
+        return []
+    returned = out if isinstance(out, (tuple, list)) else (out,)
+    found = []
+    for name, value in pairs:
+        if name not in written:
+            continue
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor) and not any(t is r for r in returned):
+                found.append((name, t))
+    return found
 
 
 def _wait_for_collective(op_name: str, out) -> None:
@@ -577,7 +674,10 @@ def _joined_mid_call() -> bool:
     return False
 
 
-_CACHE_PARAMS = ("past_key_values", "past_key_value", "kv_cache", "cache", "layer_past", "past")
+# Cache arguments, attention KV caches first, then state-space models' (Mamba's `cache_params`,
+# `inference_params` of mamba_ssm).
+_CACHE_PARAMS = ("past_key_values", "past_key_value", "kv_cache", "cache", "layer_past", "past",
+                 "cache_params", "inference_params", "mamba_cache_params")
 
 
 def _phase(params: tuple, args: tuple, kwargs: dict) -> str:
@@ -604,6 +704,10 @@ def _has_content(cache) -> bool:
             return int(length()) > 0
         except Exception:
             return False
+    for name in ("seqlen_offset", "has_previous_state"):  # older Mamba caches, mamba_ssm
+        value = getattr(cache, name, None)
+        if isinstance(value, (int, bool)):
+            return bool(value)
     if isinstance(cache, torch.Tensor):
         return cache.numel() > 0
     if isinstance(cache, (tuple, list)):

@@ -23,7 +23,7 @@ import torch
 
 from .. import layout, log
 from ..binfile import encode_header, encode_reference
-from ..naming import sanitize
+from ..naming import ALLOCATION_OPS, sanitize
 from ..statcsv import FILE_NAME as CSV_FILE, HEADER, NA, shape_cell
 from .arguments import bind_args
 from .statscache import Queue, StatsCache
@@ -131,17 +131,29 @@ class Recorder:
                                "inputs": {f"intensor{i}": n for i, n in enumerate(arg_names)},
                                "args": params}
 
-    def kernel_outputs(self, rnd, frame, out) -> None:
+    def kernel_outputs(self, rnd, frame, op_name: str, out, written: list) -> None:
+        """A kernel's outputs: what it returned, then the arguments it wrote (`written`: their
+        (name, tensor), values after the kernel)."""
         # Most kernels return one tensor.
         items = [("", out)] if isinstance(out, torch.Tensor) else _output_items(out)
+        returned = len(items)
+        if written:
+            items += written
         frame.outputs = len(items)
         if frame.dump:
             self.write_side(rnd, frame, "output", items, named=False, kernel=True)
             if rnd.config.wants_tensors:
-                frame.param["outputs"] = [f"outtensor{i}" for i in range(len(items))]
+                param = frame.param
+                param["outputs"] = [layout.tensor_name("output", str(i))
+                                    for i in range(len(items))]
+                if written:
+                    param["written"] = {layout.tensor_name("output", str(returned + i)): name
+                                        for i, (name, _) in enumerate(written)}
+                if op_name in ALLOCATION_OPS:
+                    param["uninitialized"] = True
                 if frame.shards:
-                    frame.param["dtensors"] = frame.shards
-                self.sink.put_json(f"{rnd.rel}/{frame.rel}", layout.OP_PARAM, frame.param)
+                    param["dtensors"] = frame.shards
+                self.sink.put_json(f"{rnd.rel}/{frame.rel}", layout.OP_PARAM, param)
 
     def forget_written(self, layer, pairs, written: tuple) -> None:
         """An in-place kernel is about to change these tensors: statistics still pending are
@@ -213,6 +225,7 @@ class Recorder:
                 labels.append(index)
                 rows += (index, dt.csv_name, shape_cell(t.shape), st, NA)
         if rows:
+            rnd.wrote = True
             # One flat tuple of strings and cells (statcsv.py): the garbage collector lets go
             # of it at its first collection.
             record = (rnd.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id,
