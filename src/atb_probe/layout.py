@@ -182,6 +182,11 @@ def side_dir(io: str) -> str:
     return _SIDE_DIR[io]
 
 
+def tensor_name(io: str, index: str | int) -> str:
+    """A tensor's name in op_param.json: `intensor<index>` or `outtensor<index>`."""
+    return f"{_FILE_PREFIX[io]}{index}"
+
+
 def tensor_file(io: str, index: str | int) -> str:
     """A tensor's file name: `intensor<index>.bin` (input) or `outtensor<index>.bin` (output)."""
     return f"{_FILE_PREFIX[io]}{index}.bin"

@@ -38,6 +38,25 @@ def kernel_name(op_name: str) -> str:
     return sanitize(name + "Kernel")
 
 
+# ATen ops that allocate memory without writing it: their outputs hold whatever the memory held
+# (SPEC §8 "Uninitialised memory"). They are dumped as they are, marked in op_param.json, and the
+# tools never report them.
+ALLOCATION_OPS = frozenset({
+    "aten.empty.memory_format", "aten.empty.out", "aten.empty_strided.default",
+    "aten.empty_like.default", "aten.new_empty.default", "aten.new_empty_strided.default",
+    "aten.empty_permuted.default",
+})
+
+
+def is_uninitialized(op_type: str, io: str) -> bool:
+    """Whether a tensor of statistic.csv (its Op Type and Input/Output) is the output of an
+    allocation kernel: memory nothing wrote yet."""
+    return io == "output" and op_type in ALLOCATION_KERNELS
+
+
 def _camel(text: str) -> str:
     return "".join(w[:1].upper() + w[1:] for w in text.split("_") if w)
 
+
+
+ALLOCATION_KERNELS = frozenset(kernel_name(op) for op in ALLOCATION_OPS)

@@ -28,6 +28,7 @@ from .. import layout
 from ..binfile import BinFormatError
 from ..statcsv import COLUMNS, NA
 from ..binread import HeaderOnlyError, load_numpy, load_tensor
+from ..naming import is_uninitialized
 
 class DumpError(Exception):
     """A path that is not a dump (or not the part of one that was asked for)."""
@@ -70,6 +71,12 @@ class TensorRecord:
     def data_name(self) -> str:
         """msprobe's name for the tensor: `<op path>/input.0`."""
         return f"{self.op_path}/{self.io}.{self.index}"
+
+    @property
+    def uninitialized(self) -> bool:
+        """An allocation kernel's output (`torch.empty`): whatever the memory held, never a
+        finding."""
+        return is_uninitialized(self.name_parts[-1], self.io)
 
     @property
     def layer(self) -> str:

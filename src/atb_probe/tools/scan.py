@@ -223,6 +223,8 @@ def scan_round(rnd: Round, settings: Settings = Settings()) -> RoundScan:
     """Scan a round of a dump: statistics from its csv, else from its data."""
     items = []
     for t in rnd.tensors:
+        if t.uninitialized:
+            continue
         stats = t.stats
         if stats is None:
             stats = _stats_from_data(t.path, t.dtype, t.shape)
