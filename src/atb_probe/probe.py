@@ -148,6 +148,8 @@ class Probe:
                 break
             try:
                 self.poll_config()
+                if self.engine is not None:
+                    self.engine.flush_model_files()
                 self.write_status()
             except Exception as exc:
                 self.report(exc)
@@ -256,7 +258,9 @@ class Probe:
         (root calls seen since the probe first woke: the number the next round gets),
         rounds_dumped (selected rounds that wrote data), rounds_empty (selected rounds that wrote
         nothing: no op matched `ids` / `op_name`);
-        files_written, bytes_written, bytes_queued (accepted, not yet on disk), files_skipped;
+        files_written, bytes_written, bytes_queued (accepted, not yet on disk),
+        model_files_pending (model files whose latest rounds wait for their once-a-second
+        rewrite), files_skipped;
         last_error; config (the watched file), config_in_effect (the configuration new rounds
         start under, null while there is none), config_applied_at, config_problem (why the file
         on disk is not the one in effect, or null); output; started_at, proc_start (to tell a
@@ -278,6 +282,7 @@ class Probe:
             "files_written": stats.files_written,
             "bytes_written": stats.bytes_written,
             "bytes_queued": max(0, stats.bytes_queued),
+            "model_files_pending": self.engine.model_files_pending() if self.engine else 0,
             "files_skipped": stats.files_skipped,
             "last_error": stats.last_error or self.last_error,
             "config": self.config_path,

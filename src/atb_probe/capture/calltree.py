@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .. import layout, log
-from ..naming import sanitize
+from ..naming import ALLOCATION_OPS, sanitize
 from ..rounds import RoundSource, RoundStart
 from ..selection import LayerPlan, SKIP_LAYER
 from .arguments import bind_args, forward_params
@@ -147,7 +147,7 @@ class Round:
 
     __slots__ = ("index", "selection", "config", "devpid", "rel", "dumping", "layer_count",
                  "layer_nodes", "layer_names", "phase", "root_module", "model", "selected",
-                 "roots", "wrote")
+                 "roots", "wrote", "main")
 
     def __init__(self, start: RoundStart, model: Model):
         self.index = start.index
@@ -165,6 +165,7 @@ class Round:
         self.selected = 0          # ops the selection chose in this round
         self.roots = 0             # root calls made in it so far (more than one in a step)
         self.wrote = False         # whether any tensor or statistic.csv row was written
+        self.main = False          # `model` holds block lists: the step's main model
 
 
 class LayerRun:
@@ -172,7 +173,7 @@ class LayerRun:
     rows (handed to the writer in one piece when the layer ends), its pending statistics and
     structure."""
 
-    __slots__ = ("written", "collect", "rows", "deferred", "pending")
+    __slots__ = ("written", "collect", "rows", "deferred", "pending", "uninit")
 
     def __init__(self, collect: bool, deferred: bool = False):
         self.written = {}     # same_bytes_key -> (weakref to tensor, path in round)
@@ -180,6 +181,9 @@ class LayerRun:
         self.rows = []
         self.deferred = deferred  # kernels seen: statistics may wait for the end (recorder)
         self.pending = None       # statscache.Queue, once something is pending
+        # Storage addresses of allocation kernels' outputs (`torch.empty`) that no kernel has
+        # written since: those outputs and the views of them are uninitialised (SPEC §8).
+        self.uninit = None
 
 
 class _ThreadState(threading.local):
@@ -258,6 +262,16 @@ class Engine:
         lack."""
         self.uninstall(force=True)
         self.recorder.flush_model_files(list(self._models.values()))
+
+    def flush_model_files(self) -> None:
+        """Rewrite the model files whose last rewrite is a second old or more and that hold
+        rounds since (the probe's background thread: a finished round is listed soon even
+        when no other round follows)."""
+        self.recorder.flush_model_files(list(self._models.values()), due_only=True)
+
+    def model_files_pending(self) -> int:
+        """How many model files hold rounds that are not on their way to disk yet."""
+        return self.recorder.model_files_pending(list(self._models.values()))
 
     def uninstall(self, force: bool = False) -> None:
         """Put the original `__call__` back, at once when no round is running, else after the
@@ -339,6 +353,8 @@ class Engine:
                 rnd = None if step.passive else step.round
                 if rnd is None and not step.passive and not torch.compiler.is_compiling():
                     rnd = step.round = self.begin_round(module, args, kwargs, step.phase)
+                elif rnd is not None and rnd.dumping and not rnd.main:
+                    self._main_root(rnd, module, args, kwargs, step.phase)
             # Once sleep is requested no new round starts, so the running ones drain and the
             # original __call__ goes back even while other threads keep calling the model.
             elif not (self._sleep_requested or _joined_mid_call() or
@@ -380,6 +396,16 @@ class Engine:
             return True
         return rnd.roots > 1 and not self.info(module).holds_blocks
 
+    def _main_root(self, rnd: Round, module, args, kwargs, phase: str | None) -> None:
+        """A step's round belongs to its main model: the first of its roots that holds a block
+        list (a serving loop may call an embedding on its own first)."""
+        if not self.info(_uncompiled(module)).holds_blocks:
+            return
+        rnd.main = True
+        rnd.model = self.model(module)
+        rnd.root_module = module
+        rnd.phase = phase or _phase(self.info(_uncompiled(module)).params, args, kwargs)
+
     def begin_round(self, module, args, kwargs, phase: str | None = None) -> Round:
         start = self.source.start_round(module, args, kwargs)
         with self._lock:
@@ -390,7 +416,9 @@ class Engine:
         self.tls.round = rnd
         if dumping:
             rnd.root_module = module
-            rnd.phase = phase or _phase(self.info(_uncompiled(module)).params, args, kwargs)
+            info = self.info(_uncompiled(module))
+            rnd.main = info.holds_blocks
+            rnd.phase = phase or _phase(info.params, args, kwargs)
             if model.compiled or _dynamo_compiled():
                 self._say_compiled()
         return rnd
@@ -573,6 +601,7 @@ class Engine:
             return func(*args, **kwargs)
         rnd = self.tls.round
         frame = None
+        op_name = ""
         try:
             op_name, kname, params, written = kernel_info(func)
             index = top.children
@@ -598,6 +627,8 @@ class Engine:
             self.source.report(exc)
             frame = None
         out = func(*args, **kwargs)
+        if op_name in ALLOCATION_OPS:
+            _note_uninitialized(top.layer, out)
         if frame is not None:
             try:
                 if dump and op_name.startswith(_COLLECTIVES):
@@ -630,6 +661,14 @@ def _dynamo_compiled() -> bool:
 
 
 _COLLECTIVES = ("c10d.", "_c10d_functional.")
+
+
+def _note_uninitialized(layer: LayerRun, out) -> None:
+    """An allocation kernel's output: its memory holds nothing yet (see `LayerRun.uninit`)."""
+    if isinstance(out, torch.Tensor) and out.layout is torch.strided:
+        if layer.uninit is None:
+            layer.uninit = set()
+        layer.uninit.add(out.untyped_storage().data_ptr())
 
 
 def _written_values(pairs, written: tuple, out) -> list:

@@ -23,7 +23,7 @@ import torch
 
 from .. import layout, log
 from ..binfile import encode_header, encode_reference
-from ..naming import ALLOCATION_OPS, sanitize
+from ..naming import sanitize
 from ..statcsv import FILE_NAME as CSV_FILE, HEADER, NA, shape_cell
 from .arguments import bind_args
 from .statscache import Queue, StatsCache
@@ -140,29 +140,35 @@ class Recorder:
         if written:
             items += written
         frame.outputs = len(items)
-        if frame.dump:
-            self.write_side(rnd, frame, "output", items, named=False, kernel=True)
-            if rnd.config.wants_tensors:
-                param = frame.param
-                param["outputs"] = [layout.tensor_name("output", str(i))
-                                    for i in range(len(items))]
-                if written:
-                    param["written"] = {layout.tensor_name("output", str(returned + i)): name
-                                        for i, (name, _) in enumerate(written)}
-                if op_name in ALLOCATION_OPS:
-                    param["uninitialized"] = True
-                if frame.shards:
-                    param["dtensors"] = frame.shards
-                self.sink.put_json(f"{rnd.rel}/{frame.rel}", layout.OP_PARAM, param)
+        if not frame.dump:
+            return
+        self.write_side(rnd, frame, "output", items, named=False, kernel=True)
+        uninit = _uninitialized(frame.layer, items, frame.writes_args)
+        if rnd.config.wants_tensors:
+            param = frame.param
+            param["outputs"] = [layout.tensor_name("output", i) for i in range(len(items))]
+            if written:
+                param["written"] = {layout.tensor_name("output", returned + i): name
+                                    for i, (name, _) in enumerate(written)}
+            if frame.shards:
+                param["dtensors"] = frame.shards
+        elif uninit:  # the one thing the tools must know of a statistics dump's kernel
+            param = {"op": op_name, "type": frame.name}
+        else:
+            return
+        if uninit:
+            param["uninitialized"] = uninit
+        self.sink.put_json(f"{rnd.rel}/{frame.rel}", layout.OP_PARAM, param)
 
     def forget_written(self, layer, pairs, written: tuple) -> None:
         """An in-place kernel is about to change these tensors: statistics still pending are
-        computed now, and their bytes on disk are no longer theirs."""
+        computed now, their bytes on disk are no longer theirs, and their memory is no longer
+        uninitialised."""
         if layer is None:
             return
         if layer.pending is not None:
             layer.pending.resolve()
-        if not layer.written:
+        if not (layer.written or layer.uninit):
             return
         for name, value in pairs:
             if name not in written:
@@ -172,6 +178,8 @@ class Recorder:
                 if key is not None:
                     for k in [k for k in layer.written if k[2] == key[2]]:
                         del layer.written[k]
+                    if layer.uninit:
+                        layer.uninit.discard(key[2])
 
     # -- tensors ----------------------------------------------------------------------------
 
@@ -347,7 +355,9 @@ class Recorder:
                     "modelName": f"{model.name}_{rnd.phase}", "modelType": model.name,
                     "phase": rnd.phase, "param": _model_param(rnd.root_module), "rounds": [],
                     "nodes": rnd.layer_nodes})
-            if file.add_round(rnd.index):
+                file.add_round(rnd.index)
+                self._write_model_file(file)
+            elif file.add_round(rnd.index):
                 self._write_model_file(file)
 
     def after_fork(self, models) -> None:
@@ -359,13 +369,19 @@ class Recorder:
         for model in models:
             model.phases.clear()
 
-    def flush_model_files(self, models) -> None:
-        """Write the model files whose `rounds` changed since they were last written."""
+    def flush_model_files(self, models, due_only: bool = False) -> None:
+        """Write the model files whose `rounds` changed since they were last written (with
+        `due_only`, those last written a second ago or more)."""
         with self._structure_lock:
             for model in models:
                 for file in model.phases.values():
-                    if file.dirty:
+                    if file.due() if due_only else file.dirty:
                         self._write_model_file(file)
+
+    @staticmethod
+    def model_files_pending(models) -> int:
+        """How many model files hold rounds not yet handed to the writer."""
+        return sum(file.dirty for model in models for file in model.phases.values())
 
     def _write_model_file(self, file: ModelFile) -> None:
         """(Holding `_structure_lock`.) Queue the model file as it is now."""
@@ -401,9 +417,10 @@ class ModelFile:
     """One `info/model` document and the rounds it describes, as inclusive `[first, last]`
     ranges: a service dumping for hours keeps a short list.
 
-    A round that starts a new range is written at once; one that extends the last range marks
-    the file dirty, and it is rewritten at most every `MODEL_FILE_SECONDS` and when the probe
-    closes, so a decode loop does not rewrite it on every token."""
+    It is written when first made; a later round marks it dirty, and it is rewritten at most
+    every `MODEL_FILE_SECONDS` (by the round that finds it due, else by the probe's background
+    thread: `flush_model_files(due_only=True)`) and when the probe closes, so a decode loop, or
+    an engine whose steps interleave several models, does not rewrite it on every round."""
 
     __slots__ = ("folder", "doc", "dirty", "written_at")
 
@@ -433,9 +450,12 @@ class ModelFile:
             after[0] = index
         else:
             ranges.insert(i, [index, index])
-            return True
         self.dirty = True
-        return time.monotonic() - self.written_at >= MODEL_FILE_SECONDS
+        return self.due()
+
+    def due(self) -> bool:
+        """Whether the file is dirty and was last written `MODEL_FILE_SECONDS` ago or more."""
+        return self.dirty and time.monotonic() - self.written_at >= MODEL_FILE_SECONDS
 
 
 MODEL_FILE_SECONDS = 1.0
@@ -505,6 +525,22 @@ def _describe_shard(frame, side: str, i: int, label: str, meta: dict) -> None:
     if frame.shards is None:
         frame.shards = {}
     frame.shards[name] = meta
+
+
+def _uninitialized(layer, items, writes_args: bool) -> list[str]:
+    """The names of a kernel's outputs over memory nothing has written yet: an allocation
+    kernel's, and views of it made before anything wrote it (`LayerRun.uninit`)."""
+    if layer is None or not layer.uninit or writes_args:
+        return []
+    names = []
+    for i, (_, t) in enumerate(items):
+        try:
+            address = t.untyped_storage().data_ptr()
+        except Exception:  # subclasses, tensors without storage
+            continue
+        if address in layer.uninit:
+            names.append(layout.tensor_name("output", i))
+    return names
 
 
 def _skipped(t, frame) -> None:

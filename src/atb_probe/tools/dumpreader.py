@@ -19,6 +19,7 @@ Any of these paths can be opened: the folder holding `atb_dump_data`, `atb_dump_
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -74,9 +75,15 @@ class TensorRecord:
 
     @property
     def uninitialized(self) -> bool:
-        """An allocation kernel's output (`torch.empty`): whatever the memory held, never a
-        finding."""
-        return is_uninitialized(self.name_parts[-1], self.io)
+        """An output over memory nothing had written (an allocation kernel's, `torch.empty`,
+        or a view of it): whatever the memory held, never a finding."""
+        if self.io != "output":
+            return False
+        op_type = self.name_parts[-1]
+        if is_uninitialized(op_type, self.io):
+            return True
+        return op_type.endswith("Kernel") and \
+            layout.tensor_name(self.io, self.index) in self.round.uninitialized(self.op_path)
 
     @property
     def layer(self) -> str:
@@ -153,6 +160,20 @@ class Round:
         if os.path.isfile(self.csv_path):
             return self._from_csv()
         return self._from_folders()
+
+    def uninitialized(self, op_path: str) -> frozenset:
+        """The output names an op's op_param.json marks as uninitialised memory."""
+        cache = self.__dict__.setdefault("_uninitialized", {})
+        names = cache.get(op_path)
+        if names is None:
+            try:
+                with open(os.path.join(self.path, op_path, layout.OP_PARAM)) as f:
+                    marked = json.load(f).get("uninitialized") or ()
+                names = frozenset(marked if isinstance(marked, list) else ())
+            except (OSError, ValueError, AttributeError):
+                names = frozenset()
+            cache[op_path] = names
+        return names
 
     @cached_property
     def ops(self) -> list[Op]:
