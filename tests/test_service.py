@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from atb_probe.tools.status import unfinished
+
 from conftest import (DEFAULT_SIGNALS, SCRIPTS, LiveProcess, config, count_rounds_by_config,
                       read_csv, wait_until)
 
@@ -86,11 +88,12 @@ class Service(LiveProcess):
         return body
 
     def wait_complete(self, rounds_dumped: int, timeout: float = 10) -> dict:
-        """Wait until the status says `rounds_dumped` rounds are dumped and nothing is queued."""
+        """Wait until the status says `rounds_dumped` rounds are dumped and nothing more is to
+        come (what `atb-probe status` calls COMPLETE)."""
         return wait_until(
             lambda: (lambda s: s if s["rounds_dumped"] == rounds_dumped and
-                     s["bytes_queued"] == 0 else None)(self.status()),
-            timeout, f"{rounds_dumped} rounds dumped and nothing queued")
+                     not unfinished(s) else None)(self.status()),
+            timeout, f"{rounds_dumped} rounds dumped and nothing more to come")
 
     def lines(self, text: str) -> list[str]:
         return [line for line in self.stderr if text in line]
@@ -304,5 +307,28 @@ def test_atb_probe_status_does_not_wait_for_dead_or_reused_pids(tmp_path):
     _status_doc(tmp_path, f"1_{me}", pid=me, proc_start=_proc_start(me) + 1, bytes_queued=4096)
     shown = atb_probe_status(str(tmp_path))
     assert shown.returncode == 0, shown.stdout
-    assert "2 process(es) ended with data never written" in shown.stdout
+    assert "2 process(es) were killed with data still to come" in shown.stdout
+    assert "last round may be partial" in shown.stdout
     assert shown.stdout.count(" gone ") == 2
+
+
+def test_atb_probe_status_is_complete_only_when_every_round_and_model_file_is_on_disk(tmp_path):
+    me = os.getpid()
+    for still_to_come in (dict(model_files_pending=1), dict(round_open=True)):
+        _status_doc(tmp_path, f"0_{me}", pid=me, proc_start=_proc_start(me), bytes_queued=0,
+                    **still_to_come)
+        shown = atb_probe_status(str(tmp_path))
+        assert shown.returncode == 1 and "NOT COMPLETE" in shown.stdout, still_to_come
+    _status_doc(tmp_path, f"0_{me}", pid=me, proc_start=_proc_start(me), bytes_queued=0)
+    assert atb_probe_status(str(tmp_path)).returncode == 0
+
+
+def test_a_process_killed_between_rounds_is_complete_and_said_so(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _status_doc(tmp_path, f"0_{dead.pid}", pid=dead.pid, bytes_queued=0, model_files_pending=0,
+                round_open=False)
+    shown = atb_probe_status(str(tmp_path))
+    assert shown.returncode == 0, shown.stdout
+    assert "1 process(es) were killed between rounds, after their data was on disk" in \
+        shown.stdout and "partial" not in shown.stdout

@@ -260,8 +260,10 @@ class Probe:
         nothing: no op matched `ids` / `op_name`);
         files_written, bytes_written, bytes_queued (accepted, not yet on disk),
         model_files_pending (model files whose latest rounds wait for their once-a-second
-        rewrite), files_skipped;
-        last_error; config (the watched file), config_in_effect (the configuration new rounds
+        rewrite), round_open (a dumped round is running: more of its data is to come),
+        files_skipped;
+        last_error; compile_problem (why the ops inside compiled code are not dumped, with
+        what to do, or null); config (the watched file), config_in_effect (the configuration new rounds
         start under, null while there is none), config_applied_at, config_problem (why the file
         on disk is not the one in effect, or null); output; started_at, proc_start (to tell a
         reused pid), updated_at (ISO 8601 times).
@@ -283,8 +285,10 @@ class Probe:
             "bytes_written": stats.bytes_written,
             "bytes_queued": max(0, stats.bytes_queued),
             "model_files_pending": self.engine.model_files_pending() if self.engine else 0,
+            "round_open": bool(self.engine and self.engine.dumped_rounds_open),
             "files_skipped": stats.files_skipped,
             "last_error": stats.last_error or self.last_error,
+            "compile_problem": self.engine.compile_problem if self.engine else None,
             "config": self.config_path,
             "config_in_effect": _config_doc(config),
             "config_applied_at": self.config_applied_at,

@@ -40,6 +40,7 @@ from ..selection import LayerPlan, SKIP_LAYER
 from .arguments import bind_args, forward_params
 from .kernels import KernelCapture, kernel_info
 from .recorder import Recorder
+from .vllm import VllmSteps
 
 _CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
 
@@ -77,7 +78,7 @@ class Model:
     `<Class>_<k>` for later ones (SPEC §1), so two models of one class (a draft model in
     speculative decoding) never share structure files."""
 
-    __slots__ = ("name", "first", "paths", "compiled", "phases")
+    __slots__ = ("name", "first", "paths", "compiled")
 
     def __init__(self, name: str, first: bool, module: nn.Module):
         self.name = name
@@ -91,7 +92,6 @@ class Model:
             self.paths.setdefault(m, path)
             if getattr(m, "_compiled_call_impl", None) is not None or _uncompiled(m) is not m:
                 self.compiled = True
-        self.phases: dict = {}  # phase -> its model file (recorder.ModelFile)
 
 
 def _uncompiled(module: nn.Module) -> nn.Module:
@@ -221,10 +221,14 @@ class Engine:
         self._model_counts: dict[str, int] = {}
         self._unmatched_warned: set = set()
         self._compile_said = False
+        self.compile_problem: str | None = None  # why compiled code is not dumped, or None
+        self.vllm = VllmSteps(self)
+        self.vllm.start()
         self._original = None   # the __call__ the current (or last) wrapper wraps
         self._wrapper = None    # the installed wrapper; None while the probe sleeps
         self._lock = threading.Lock()
         self.active_rounds = 0
+        self.dumped_rounds_open = 0  # dumped rounds running now: their data is still to come
         self._sleep_requested = False
 
     # -- installing -------------------------------------------------------------------------
@@ -257,21 +261,27 @@ class Engine:
             self._original, self._wrapper = original, __call__
             nn.Module.__call__ = __call__
 
+    @property
+    def awake(self) -> bool:
+        """Whether the wrapper is installed (the probe is not sleeping)."""
+        return self._wrapper is not None
+
     def close(self) -> None:
         """The probe closes: capture nothing more, and write what the structure files still
         lack."""
         self.uninstall(force=True)
-        self.recorder.flush_model_files(list(self._models.values()))
+        self.vllm.stop()
+        self.recorder.flush_model_files()
 
     def flush_model_files(self) -> None:
         """Rewrite the model files whose last rewrite is a second old or more and that hold
         rounds since (the probe's background thread: a finished round is listed soon even
         when no other round follows)."""
-        self.recorder.flush_model_files(list(self._models.values()), due_only=True)
+        self.recorder.flush_model_files(due_only=True)
 
     def model_files_pending(self) -> int:
         """How many model files hold rounds that are not on their way to disk yet."""
-        return self.recorder.model_files_pending(list(self._models.values()))
+        return self.recorder.model_files_pending()
 
     def uninstall(self, force: bool = False) -> None:
         """Put the original `__call__` back, at once when no round is running, else after the
@@ -300,7 +310,8 @@ class Engine:
         self.tls.step = None
         self._lock = threading.Lock()
         self.active_rounds = 0
-        self.recorder.after_fork(list(self._models.values()))
+        self.dumped_rounds_open = 0
+        self.recorder.after_fork()
 
     @property
     def original_call(self):
@@ -357,7 +368,8 @@ class Engine:
                     self._main_root(rnd, module, args, kwargs, step.phase)
             # Once sleep is requested no new round starts, so the running ones drain and the
             # original __call__ goes back even while other threads keep calling the model.
-            elif not (self._sleep_requested or _joined_mid_call() or
+            # Inside a serving engine only its steps are rounds (capture/vllm.py).
+            elif not (self._sleep_requested or self._steps_only() or _joined_mid_call() or
                       torch.compiler.is_compiling()):
                 rnd = self.begin_round(module, args, kwargs)
                 owned = True
@@ -387,6 +399,11 @@ class Engine:
             if owned:
                 self.end_round(rnd)
 
+    def _steps_only(self) -> bool:
+        """Whether root calls outside an engine step are not rounds: vLLM's runners are
+        patched."""
+        return self.vllm.attached
+
     def _root_is_op(self, rnd: Round, module) -> bool:
         """Whether a root is a layer-level op itself rather than a container (SPEC §1, §8): a
         root with no submodule (an `nn.Linear` called as the model), or a later root of an
@@ -408,9 +425,10 @@ class Engine:
 
     def begin_round(self, module, args, kwargs, phase: str | None = None) -> Round:
         start = self.source.start_round(module, args, kwargs)
+        dumping = start.dumping
         with self._lock:
             self.active_rounds += 1
-        dumping = start.dumping
+            self.dumped_rounds_open += dumping
         model = self.model(module)
         rnd = Round(start, model)
         self.tls.round = rnd
@@ -420,7 +438,7 @@ class Engine:
             rnd.main = info.holds_blocks
             rnd.phase = phase or _phase(info.params, args, kwargs)
             if model.compiled or _dynamo_compiled():
-                self._say_compiled()
+                self.say_compiled()
         return rnd
 
     # -- engine steps -----------------------------------------------------------------------
@@ -435,8 +453,15 @@ class Engine:
         else:
             self.tls.step = Step(phase, passive=self._wrapper is None)
 
-    def end_step(self) -> None:
-        """The step begun last in this thread ends; the outermost ends its round."""
+    def current_step(self) -> Step | None:
+        """The engine step this thread is in, or None."""
+        return self.tls.step
+
+    def end_step(self, step: Step | None = None) -> None:
+        """The step begun last in this thread ends (only if it is `step`, when given); the
+        outermost ends its round."""
+        if step is not None and self.tls.step is not step:
+            return
         step = self.tls.step
         if step is None:
             return
@@ -457,11 +482,17 @@ class Engine:
             return False
         return self.source.next_round_dumped()
 
-    def _say_compiled(self) -> None:
+    def say_compiled(self, message: str | None = None) -> None:
+        """Say once how compiled code is dumped: `message` from an engine that switched it to
+        eager, else torch.compile's stance (or this engine's `compile_problem`)."""
         if self._compile_said:
             return
         self._compile_said = True
-        if _FORCE_EAGER is None:
+        if self.compile_problem:
+            log.warn(self.compile_problem)
+        elif message:
+            log.info(message)
+        elif _FORCE_EAGER is None:
             log.warn("this torch has no torch.compiler.set_stance: the modules and kernels "
                      "inside compiled code (torch.compile) are not seen")
         else:
@@ -482,6 +513,7 @@ class Engine:
             # Checked and done under one lock: a wake-up (install) in between must win.
             with self._lock:
                 self.active_rounds -= 1
+                self.dumped_rounds_open -= rnd.dumping
                 if self._sleep_requested and not self.active_rounds:
                     self._restore()
 

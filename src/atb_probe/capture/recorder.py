@@ -45,7 +45,11 @@ class Recorder:
         self._static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # (model name, layer name, id) -> nodes written in that layer's structure file
         self._layer_files: dict[tuple[str, str, str], int] = {}
-        # Guards `_layer_files` and every model's `phases`: model threads end layers and rounds
+        # (model name, phase) -> its model file. Held here, not on the model: an engine may
+        # drop its model before the probe closes, and the file's last rounds must still be
+        # written then.
+        self._model_files: dict[tuple[str, str], ModelFile] = {}
+        # Guards `_layer_files` and `_model_files`: model threads end layers and rounds
         # concurrently when a server runs one model in several threads.
         self._structure_lock = threading.Lock()
         self.stats = StatsCache()
@@ -326,7 +330,7 @@ class Recorder:
     def layer_done(self, rnd, frame) -> None:
         collect = frame.layer.collect
         model = rnd.model
-        if rnd.phase in model.phases and not collect:
+        if (model.name, rnd.phase) in self._model_files and not collect:
             return  # this phase's model file is written: nothing to describe
         node = _node(frame)
         rnd.layer_nodes.append({k: node[k] for k in ("opName", "opType", "modulePath",
@@ -347,11 +351,11 @@ class Recorder:
         self.hand_rows()
         model = rnd.model
         with self._structure_lock:  # threads serving one model end rounds side by side
-            file = model.phases.get(rnd.phase)
+            file = self._model_files.get((model.name, rnd.phase))
             if file is None:
                 if not rnd.layer_nodes:
                     return
-                file = model.phases[rnd.phase] = ModelFile(layout.model_info_dir(rnd.devpid), {
+                file = self._model_files[model.name, rnd.phase] = ModelFile(layout.model_info_dir(rnd.devpid), {
                     "modelName": f"{model.name}_{rnd.phase}", "modelType": model.name,
                     "phase": rnd.phase, "param": _model_param(rnd.root_module), "rounds": [],
                     "nodes": rnd.layer_nodes})
@@ -360,28 +364,25 @@ class Recorder:
             elif file.add_round(rnd.index):
                 self._write_model_file(file)
 
-    def after_fork(self, models) -> None:
+    def after_fork(self) -> None:
         """A forked child writes structure files of its own, into its own folders. Rows the
         forking thread had waiting are the parent's to write."""
         self._structure_lock = threading.Lock()
         self._round_rows = _RoundRows()
         self._layer_files.clear()
-        for model in models:
-            model.phases.clear()
+        self._model_files.clear()
 
-    def flush_model_files(self, models, due_only: bool = False) -> None:
+    def flush_model_files(self, due_only: bool = False) -> None:
         """Write the model files whose `rounds` changed since they were last written (with
         `due_only`, those last written a second ago or more)."""
         with self._structure_lock:
-            for model in models:
-                for file in model.phases.values():
-                    if file.due() if due_only else file.dirty:
-                        self._write_model_file(file)
+            for file in self._model_files.values():
+                if file.due() if due_only else file.dirty:
+                    self._write_model_file(file)
 
-    @staticmethod
-    def model_files_pending(models) -> int:
+    def model_files_pending(self) -> int:
         """How many model files hold rounds not yet handed to the writer."""
-        return sum(file.dirty for model in models for file in model.phases.values())
+        return sum(file.dirty for file in list(self._model_files.values()))
 
     def _write_model_file(self, file: ModelFile) -> None:
         """(Holding `_structure_lock`.) Queue the model file as it is now."""

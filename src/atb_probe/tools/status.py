@@ -62,22 +62,39 @@ def read_statuses(output: str) -> list[dict]:
     return docs
 
 
+def unfinished(doc: dict) -> bool:
+    """Whether a process's status shows data still to come: bytes queued, a model file waiting
+    for its rewrite, or a dumped round running."""
+    return doc.get("bytes_queued", 0) > 0 or doc.get("model_files_pending", 0) > 0 or \
+        bool(doc.get("round_open"))
+
+
 def verdict(docs: list[dict]) -> tuple[bool, str]:
-    """(complete, message): complete when no live process has anything queued."""
+    """(complete, message): complete when no live process has data still to come (SPEC §8)."""
     if not docs:
         return True, "no process has loaded the probe with this output yet"
-    busy = [d for d in docs if d["alive"] and d.get("bytes_queued", 0) > 0]
-    lost = [d for d in docs if not d["alive"] and d.get("bytes_queued", 0) > 0]
+    busy = [d for d in docs if d["alive"] and unfinished(d)]
     died = [d for d in docs if not d["alive"] and not d.get("exited")]
+    cut = [d for d in died if unfinished(d)]
+    lost = [d for d in docs if not d["alive"] and d.get("exited") and unfinished(d)]
     if busy:
-        left = sum(d["bytes_queued"] for d in busy)
-        return False, f"NOT COMPLETE: {size_text(left)} still queued in {len(busy)} process(es)"
+        left = sum(d.get("bytes_queued", 0) for d in busy)
+        running = sum(bool(d.get("round_open")) for d in busy)
+        what = [f"{size_text(left)} still queued"] if left else []
+        if running:
+            what.append(f"a dumped round running in {running}")
+        if not what:
+            what.append("model files about to be rewritten")
+        return False, f"NOT COMPLETE: {', '.join(what)} ({len(busy)} process(es))"
     parts = ["COMPLETE: all queued data is on disk"]
     if lost:
         parts.append(f"but {len(lost)} process(es) ended with data never written")
-    if died:
-        parts.append(f"{len(died)} process(es) ended without a clean exit "
-                     f"({', '.join(d['name'] for d in died)}); their last round may be partial")
+    if cut:
+        parts.append(f"{len(cut)} process(es) were killed with data still to come "
+                     f"({', '.join(d['name'] for d in cut)}): their last round may be partial")
+    if len(died) > len(cut):
+        parts.append(f"{len(died) - len(cut)} process(es) were killed between rounds, "
+                     "after their data was on disk")
     errors = [d for d in docs if d.get("last_error")]
     if errors:
         parts.append(f"{len(errors)} process(es) reported an error")
