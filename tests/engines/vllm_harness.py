@@ -183,8 +183,8 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer random-weight Llama saved with save_pretrained, with its tokenizer."""
-    from tiny_model import make_tiny_llama
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    from atb_probe.tools.demo_model import save_llama
+    return save_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

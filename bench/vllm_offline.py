@@ -1,0 +1,115 @@
+"""The probe's cost inside vLLM: offline `LLM.generate`, 8 prompts x 32 tokens, greedy.
+
+    .venv-engines/bin/python bench/vllm_offline.py [--pairs 3] [--compiled] [--layers 4]
+
+Run it in the engines' environment (`.ci/engines-venv`). Cases, each in processes of its own
+started like a user's (through the load script where probed), alternated pair by pair:
+
+- `unprobed`: no probe loaded;
+- `sleeping`: the probe loaded, `dump_enable` false;
+- `stat-layer`: statistics of every step's layer-level ops (`exec_range` all).
+
+Each process makes the engine, generates once to warm up, then times `--repeats` generations
+(the median is its time). The ratio of a case is its time over the un-probed time measured in
+the same pair; the table gives the median ratio and the range over the pairs. Engine start-up
+is not timed. With `--compiled`, vLLM compiles the model (its default): the dumped steps of
+`stat-layer` run eagerly, so its ratio includes what eager costs against compiled.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASES = ("unprobed", "sleeping", "stat-layer")
+PROMPTS = 8
+TOKENS = 32
+SCRIPTS = Path(__file__).resolve().parents[1] / "src" / "atb_probe" / "scripts" / "atb"
+
+
+def child(args) -> None:
+    """One engine: warm up, then print the time of each timed generation."""
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=args.model, enforce_eager=not args.compiled, max_model_len=256,
+              dtype="float32", max_num_seqs=PROMPTS, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    prompts = [f"prompt {i}: the quick brown fox jumps over the lazy dog" for i in range(PROMPTS)]
+    llm.generate(prompts, params, use_tqdm=False)
+    times = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - started)
+    print("TIMES " + json.dumps(times), flush=True)
+
+
+def run_case(case: str, args, work: Path) -> float:
+    """The median generation time of one process of `case`."""
+    out = work / f"{case}-{time.monotonic_ns()}"
+    out.mkdir()
+    config = {"task": "statistics", "dump_enable": case == "stat-layer", "exec_range": "all",
+              "ids": "", "op_name": "", "save_child": False, "device": "", "filter_level": 1}
+    (out / "config.json").write_text(json.dumps(config))
+    command = (f'"{sys.executable}" "{__file__}" --child --model "{args.model}" '
+               f'--repeats {args.repeats}{" --compiled" if args.compiled else ""}')
+    if case != "unprobed":
+        command = (f'source "{SCRIPTS}/load_atb_probe.sh" --output="{out}" '
+                   f'--config="{out}/config.json" >/dev/null && {command}')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATB_")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
+               VLLM_CACHE_ROOT=str(work / "vllm-cache"), VLLM_NO_USAGE_STATS="1")
+    result = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True,
+                            timeout=900)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("TIMES ")]
+    if result.returncode or not lines:
+        raise SystemExit(f"{case} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    if case == "stat-layer":
+        rounds = list((out / "atb_dump_data" / "data").glob("*/*/statistic.csv"))
+        assert rounds, "stat-layer wrote no round"
+    return statistics.median(json.loads(lines[-1][len("TIMES "):]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="timed generations per process")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--compiled", action="store_true",
+                        help="let vLLM compile the model (default: enforce_eager)")
+    parser.add_argument("--model", help="a checkpoint folder (default: a random Llama)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    with tempfile.TemporaryDirectory(prefix="atb-bench-vllm-") as tmp:
+        work = Path(tmp)
+        if args.model is None:
+            from atb_probe.tools.demo_model import save_llama
+            args.model = str(save_llama(work / "model", layers=args.layers))
+        ratios: dict[str, list[float]] = {c: [] for c in CASES[1:]}
+        base: list[float] = []
+        for pair in range(args.pairs):
+            times = {case: run_case(case, args, work) for case in CASES}
+            base.append(times["unprobed"])
+            for case in CASES[1:]:
+                ratios[case].append(times[case] / times["unprobed"])
+            print(f"pair {pair + 1}: " + ", ".join(f"{c} {t * 1000:.0f} ms"
+                                                   for c, t in times.items()), file=sys.stderr)
+    mode = "compiled" if args.compiled else "enforce_eager"
+    print(f"vLLM offline, {PROMPTS} prompts x {TOKENS} tokens, {args.layers}-layer Llama "
+          f"(hidden 128), {mode}, {args.pairs} pairs x {args.repeats} generations\n")
+    print("| case | ratio to un-probed (pair range) |\n| --- | --- |")
+    print(f"| unprobed | 1.00 ({statistics.median(base) * 1000:.0f} ms a generation) |")
+    for case, values in ratios.items():
+        print(f"| {case} | {statistics.median(values):.2f} "
+              f"({min(values):.2f}-{max(values):.2f}) |")
+
+
+if __name__ == "__main__":
+    main()
