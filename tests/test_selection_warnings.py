@@ -73,6 +73,20 @@ def test_device_list_that_leaves_the_process_out_shows_in_status(tmp_path, capfd
         not list((tmp_path / "atb_dump_data" / "data").rglob("*.bin"))
 
 
+def test_a_process_the_device_list_leaves_out_says_so_at_load_and_after_exit(tmp_path, capfd):
+    atb_probe.enable(str(tmp_path), config(device="7"))
+    err = capfd.readouterr().err
+    with torch.no_grad():
+        generate(tiny_llama(), 4, 1)
+    atb_probe.disable(timeout=60)
+    assert "(device 0) is not in the config's device list (7): it dumps nothing" in err, err
+    assert "Ready to dump" not in err
+    result = subprocess.run(STATUS + [str(tmp_path)], capture_output=True, text=True)
+    assert "exited" in result.stdout
+    assert "not selected: device 0 is not in the config's device list, so it dumped nothing" \
+        in result.stdout, result.stdout
+
+
 def test_status_does_not_warn_when_a_process_is_selected(tmp_path):
     model = tiny_llama()
     atb_probe.enable(str(tmp_path), config(device="0"))

@@ -2,6 +2,7 @@
 module is its own layer-level op; rounds that wrote nothing are counted apart."""
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -156,3 +157,20 @@ def test_a_root_with_no_submodule_is_its_own_op_with_files(tmp_path):
     assert op_dirs(proc / "0") == ["0_Linear"]
     assert (proc / "0" / "0_Linear" / "after" / "outtensor0.bin").is_file()
     assert (proc / "0" / "0_Linear" / "before" / "intensor0.bin").is_file()
+
+
+def test_a_model_dropped_before_the_probe_closes_still_gets_its_last_rounds_listed(tmp_path):
+    # An engine frees its model at shutdown, before the probe's exit flush; the rounds that
+    # waited for the model file's once-a-second rewrite must still be written.
+    def run():
+        model = tiny_llama()
+        with torch.no_grad():
+            for _ in range(3):
+                model(IDS)
+        del model
+        gc.collect()
+
+    proc = only_proc(dump(tmp_path, config(task="statistics"), run))
+    files = list((proc.parent.parent / "info" / "model").rglob("*.json"))
+    assert len(files) == 1
+    assert json.loads(files[0].read_text())["rounds"] == [[0, 2]]

@@ -64,6 +64,7 @@ class Probe:
         self.rounds_empty = 0      # selected rounds that wrote nothing (no op matched)
         self.rounds_started = 0
         self.woken = False
+        self._excluded_said = None  # the device list this process was last told it is not in
         self.engine = None
         self.started_at = utc_now()
         self.proc_start = proc_start(self.pid)
@@ -171,7 +172,14 @@ class Probe:
         self.config = config
         self.config_applied_at = utc_now()
         if config is not None and config.dump_enable:
-            if not self.woken:
+            device = self.device if self.device is not None else local_rank()
+            if config.device and device not in config.device:
+                # SPEC §8: said at load (and in the status file), with no "Ready to dump" line.
+                if config.device != self._excluded_said:
+                    self._excluded_said = config.device
+                    log.info(f"this process (device {device}) is not in the config's device "
+                             f"list ({','.join(map(str, config.device))}): it dumps nothing")
+            elif not self.woken:
                 self.woken = True
                 log._emit(WAKE_MESSAGE)
                 try:

@@ -136,9 +136,9 @@ def _status(args) -> int:
               f"queued {size_text(d.get('bytes_queued', 0)):>9}  "
               f"updated {d.get('updated_at', '?')}")
         print(f"{'':>16}  {_describe_config(d)}")
-        if d["alive"] and d.get("device_selected") is False:
+        if d.get("device_selected") is False:
             print(f"{'':>16}  not selected: device {d.get('device')} is not in the config's "
-                  f"device list")
+                  f"device list{'' if d['alive'] else ', so it dumped nothing'}")
         if d.get("config_problem"):
             print(f"{'':>16}  config file not used: {d['config_problem']}")
         if d.get("last_error"):
