@@ -1,8 +1,10 @@
 """The probe's cost inside vLLM: offline `LLM.generate`, 8 prompts x 32 tokens, greedy.
 
-    .venv-engines/bin/python bench/vllm_offline.py [--pairs 3] [--compiled] [--layers 4]
+    .venv-engines/bin/python bench/vllm_offline.py [--pairs 3] [--compiled]
 
-Run it in the engines' environment (`.ci/engines-venv`). Cases, each in processes of its own
+The model is the shape of bench/run.py's `small` workload (a random-weight Llama: 4 layers,
+hidden 256, intermediate 1024, vocab 1024, fp32). Run it in the engines' environment
+(`.ci/engines-venv`). Cases, each in processes of its own
 started like a user's (through the load script where probed), alternated pair by pair:
 
 - `unprobed`: no probe loaded;
@@ -79,7 +81,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5, help="timed generations per process")
-    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--compiled", action="store_true",
                         help="let vLLM compile the model (default: enforce_eager)")
     parser.add_argument("--model", help="a checkpoint folder (default: a random Llama)")
@@ -91,7 +92,8 @@ def main() -> None:
         work = Path(tmp)
         if args.model is None:
             from atb_probe.tools.demo_model import save_llama
-            args.model = str(save_llama(work / "model", layers=args.layers))
+            args.model = str(save_llama(work / "model", layers=4, hidden=256, vocab=1024,
+                                        intermediate=1024))
         ratios: dict[str, list[float]] = {c: [] for c in CASES[1:]}
         base: list[float] = []
         for pair in range(args.pairs):
@@ -102,8 +104,9 @@ def main() -> None:
             print(f"pair {pair + 1}: " + ", ".join(f"{c} {t * 1000:.0f} ms"
                                                    for c, t in times.items()), file=sys.stderr)
     mode = "compiled" if args.compiled else "enforce_eager"
-    print(f"vLLM offline, {PROMPTS} prompts x {TOKENS} tokens, {args.layers}-layer Llama "
-          f"(hidden 128), {mode}, {args.pairs} pairs x {args.repeats} generations\n")
+    model = "the small workload's Llama" if args.model.startswith(tmp) else args.model
+    print(f"vLLM offline, {PROMPTS} prompts x {TOKENS} tokens, {model}, {mode}, "
+          f"{args.pairs} pairs x {args.repeats} generations\n")
     print("| case | ratio to un-probed (pair range) |\n| --- | --- |")
     print(f"| unprobed | 1.00 ({statistics.median(base) * 1000:.0f} ms a generation) |")
     for case, values in ratios.items():

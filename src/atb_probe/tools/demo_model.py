@@ -28,7 +28,8 @@ _TOKENIZER_TEXT = ("the quick brown fox jumps over the lazy dog. a probe dumps e
                    "eight nine ten. ")
 
 
-def save_llama(folder, layers: int = 2, hidden: int = 128, vocab: int = 512, seed: int = 0):
+def save_llama(folder, layers: int = 2, hidden: int = 128, vocab: int = 512, seed: int = 0,
+               intermediate: int | None = None):
     """Save a random-weight Llama as a checkpoint folder (`save_pretrained`: config.json,
     safetensors weights) with a byte-level BPE tokenizer trained here and a chat template, so
     that a serving engine (`vllm serve DIR`) loads it with no model hub. Head size 64, which
@@ -50,7 +51,8 @@ def save_llama(folder, layers: int = 2, hidden: int = 128, vocab: int = 512, see
                           "{% endfor %}assistant:")
     fast.save_pretrained(folder)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden,
+                         intermediate_size=intermediate or hidden * 2,
                          num_hidden_layers=layers, num_attention_heads=hidden // 64,
                          num_key_value_heads=1, max_position_embeddings=512, bos_token_id=0,
                          eos_token_id=1, torch_dtype="float32")
