@@ -332,3 +332,18 @@ def test_a_process_killed_between_rounds_is_complete_and_said_so(tmp_path):
     assert shown.returncode == 0, shown.stdout
     assert "1 process(es) were killed between rounds, after their data was on disk" in \
         shown.stdout and "partial" not in shown.stdout
+
+
+def test_atb_probe_status_exit_codes_tell_complete_writing_nothing_and_error(tmp_path):
+    shown = atb_probe_status(str(tmp_path / "no-such-dir"))
+    assert shown.returncode == 2 and shown.stdout.startswith("nothing found"), shown.stdout
+    (tmp_path / "a-file").write_text("x")
+    shown = atb_probe_status(str(tmp_path / "a-file"))
+    assert shown.returncode == 3 and "is not a folder" in shown.stderr, shown.stderr
+    me = os.getpid()
+    _status_doc(tmp_path, f"0_{me}", pid=me, proc_start=_proc_start(me), bytes_queued=10)
+    assert atb_probe_status(str(tmp_path)).returncode == 1
+    _status_doc(tmp_path, f"0_{me}", pid=me, proc_start=_proc_start(me), bytes_queued=0)
+    assert atb_probe_status(str(tmp_path)).returncode == 0
+    helped = atb_probe_status("--help")
+    assert "2  nothing found" in helped.stdout and "3  error" in helped.stdout

@@ -105,6 +105,7 @@ class Probe:
             self._apply(cfg)
         else:
             self.poll_config()
+            self._say_if_nothing()
         self.write_status()
         self._start_thread()
         hooks.register(self)
@@ -138,6 +139,17 @@ class Probe:
         return done
 
     # -- configuration ----------------------------------------------------------------------
+
+    def _say_if_nothing(self) -> None:
+        """At load, say so when the probe will dump nothing for now, and how to change that
+        (a device the config leaves out says so in `_apply`)."""
+        where = self.config_path
+        if self.config is None and self.config_problem is None:
+            log.info(f"no config file at {where} yet: the probe sleeps and dumps nothing until "
+                     f'it is written with "dump_enable": true')
+        elif self.config is not None and not self.config.dump_enable:
+            log.info(f'{where} has "dump_enable": false: the probe sleeps and dumps nothing '
+                     f"until that is saved as true")
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -179,7 +191,11 @@ class Probe:
                     self._excluded_said = config.device
                     log.info(f"this process (device {device}) is not in the config's device "
                              f"list ({','.join(map(str, config.device))}): it dumps nothing")
-            elif not self.woken:
+            elif self._rounds_passed(config):
+                log.info(f'exec_range "{config.exec_range.spec}" selects only rounds that have '
+                         f"passed (the next round is {self.rounds_started}): nothing more is "
+                         f"dumped; `atb-probe status` gives the next round's number")
+            if not self.woken and (not config.device or device in config.device):
                 self.woken = True
                 log._emit(WAKE_MESSAGE)
                 try:
@@ -193,6 +209,12 @@ class Probe:
         self._kick.set()
 
     # -- rounds and device ------------------------------------------------------------------
+
+    def _rounds_passed(self, config: DumpConfig) -> bool:
+        """Whether a config applied while the process runs selects only rounds already past."""
+        spec = config.exec_range
+        return bool(self.rounds_started and not spec.everything and spec.pairs and
+                    max(hi for _, hi in spec.pairs) < self.rounds_started)
 
     def start_round(self, module, args: tuple, kwargs: dict) -> RoundStart:
         """A root call begins a round (`rounds.RoundSource`): its index, the selection in

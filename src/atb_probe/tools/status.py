@@ -2,8 +2,9 @@
 
 Reads the status files the probes keep under `atb_dump_data/status/` (SPEC §4; the fields are
 listed in `Probe.status`) and prints each process's state, progress and configuration, then a
-verdict. Exit status: 0 when no live process has data queued, 1 while data is still on its way
-(so `atb-probe status --wait 60` or `until atb-probe status; do sleep 1; done` waits for it).
+verdict. Exit status (`EXIT_CODES`): 0 complete, 1 still writing, 2 no status file found, 3 the
+folder cannot be read (so `atb-probe status --wait 60` or `until atb-probe status; do sleep 1;
+done` waits for the data).
 
 A process counts as live while its pid runs and is the same process (its start time matches);
 one that ended without writing `exited` (killed) is listed as "gone".
@@ -19,11 +20,23 @@ from .. import layout
 from . import size_text
 
 
+COMPLETE, WRITING, NOTHING, ERROR = 0, 1, 2, 3
+EXIT_CODES = """exit status:
+  0  complete: no live process has data still to come
+  1  still writing: data queued, a dumped round running or a model file about to be rewritten
+  2  nothing found: no status file (no process loaded the probe with this output, or none
+     could write there)
+  3  error: OUTPUT is not a folder or cannot be read
+
+example: atb-probe status --wait 60 $PWD"""
+
+
 def register(sub) -> None:
+    import argparse
     p = sub.add_parser("status", help="show each process's dump progress; exit 0 when complete",
                        description="Show the progress of every process dumping into OUTPUT and "
                                    "say whether all queued data is on disk.",
-                       epilog="example: atb-probe status --wait 60 $PWD")
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output", nargs="?", default=".",
                    help="the --output folder (or its atb_dump_data); default: current directory")
     p.add_argument("--wait", type=float, metavar="SECONDS", default=0,
@@ -72,7 +85,8 @@ def unfinished(doc: dict) -> bool:
 def verdict(docs: list[dict]) -> tuple[bool, str]:
     """(complete, message): complete when no live process has data still to come (SPEC §8)."""
     if not docs:
-        return True, "no process has loaded the probe with this output yet"
+        return True, ("nothing found: no status file, so no process has loaded the probe with "
+                      "this output yet (or none could write there: check that it is writable)")
     busy = [d for d in docs if d["alive"] and unfinished(d)]
     died = [d for d in docs if not d["alive"] and not d.get("exited")]
     cut = [d for d in died if unfinished(d)]
@@ -114,20 +128,35 @@ def unselected_warning(docs: list[dict]) -> str | None:
             f"({', '.join(have)}), so nothing is dumped")
 
 
+def _unreadable(output: str) -> str | None:
+    """Why OUTPUT cannot hold a dump's status files, or None."""
+    folder = status_dir(output)
+    for path in (output, layout.dump_root(output), folder):
+        if os.path.exists(path) and not os.path.isdir(path):
+            return f"{path} is not a folder"
+    if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):
+        return f"{folder} cannot be read (permissions)"
+    return None
+
+
 def _status(args) -> int:
+    problem = _unreadable(args.output)
+    if problem:
+        print(f"ERROR: {problem}", file=sys.stderr)
+        return ERROR
     deadline = time.monotonic() + max(0.0, args.wait)
     while True:
         docs = read_statuses(args.output)
         complete, message = verdict(docs)
-        if complete or time.monotonic() >= deadline:
+        if (complete and docs) or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
     warning = unselected_warning(docs)
     if args.json:
-        json.dump({"complete": complete, "message": message, "warning": warning,
-                   "processes": docs}, sys.stdout, indent=2)
+        json.dump({"complete": complete and bool(docs), "message": message,
+                   "warning": warning, "processes": docs}, sys.stdout, indent=2)
         print()
-        return 0 if complete else 1
+        return _code(complete, docs)
     for d in docs:
         state = d.get("state", "?") if d["alive"] else ("exited" if d.get("exited") else "gone")
         print(f"{d['name']:>16}  {state:<8}  rounds {d.get('rounds_dumped', 0):>4} dumped "
@@ -146,7 +175,13 @@ def _status(args) -> int:
     print(message)
     if warning:
         print(warning)
-    return 0 if complete else 1
+    return _code(complete, docs)
+
+
+def _code(complete: bool, docs: list[dict]) -> int:
+    if not docs:
+        return NOTHING
+    return COMPLETE if complete else WRITING
 
 
 def _describe_config(doc: dict) -> str:

@@ -54,6 +54,9 @@ _atb_probe_load() {
     export ATB_OUTPUT_DIR="$output"
     export ATB_DUMP_CONFIG="$config"
     echo "[atb-probe] loaded: output=$output/atb_dump_data config=$config" >&2
+    if [ ! -e "$config" ]; then
+        echo "[atb-probe] $config does not exist (yet): programs started from this shell load the probe asleep and dump nothing until it is written with \"dump_enable\": true" >&2
+    fi
 }
 
 _atb_probe_load "$@"
