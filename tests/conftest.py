@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -156,6 +157,22 @@ def torchrun_loaded(tmp: Path, cfg: dict, script: Path, *args: str, ranks: int =
     assert result.returncode == 0, result.stdout + result.stderr
     assert "cannot dump" not in result.stderr, result.stderr
     return result.stdout
+
+
+MSPROBE_DEFAULT = Path(__file__).resolve().parent.parent / ".venv-msprobe" / "bin" / "msprobe"
+
+
+def msprobe_executable() -> str | None:
+    """mindstudio-probe's `msprobe`, for the interoperability tests: $MSPROBE, else
+    `.venv-msprobe/bin/msprobe` in this checkout, else `msprobe` on PATH; None if none runs."""
+    for candidate in (os.environ.get("MSPROBE"), str(MSPROBE_DEFAULT), shutil.which("msprobe")):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+MSPROBE_MISSING = ("mindstudio-probe not found: set MSPROBE to its msprobe executable (default: "
+                   ".venv-msprobe/bin/msprobe in this checkout, then PATH)")
 
 
 def wait_until(condition, timeout: float, what: str, interval: float = 0.01):

@@ -316,7 +316,8 @@ def test_any_config_object_gives_a_valid_configuration(doc):
     for w in warnings:
         assert w.isprintable() and len(w) < 600
     missing = [k for k in DEFAULTS if k not in doc]
-    assert all(any(f"'{k}' is missing" in w for w in warnings) for k in missing)
+    assert all(any(f"'{k}'" in w and "missing; using" in w for w in warnings) for k in missing)
+    assert sum("missing; using" in w for w in warnings) == (1 if missing else 0)
 
 
 VALID_DOCUMENTS = st.fixed_dictionaries({

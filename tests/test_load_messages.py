@@ -44,3 +44,32 @@ def test_a_live_edit_to_rounds_that_have_passed_says_nothing_more_is_dumped(tmp_
     atb_probe.disable(timeout=60)
     err = capfd.readouterr().err
     assert 'exec_range "0,1" selects only rounds that have passed (the next round is 3)' in err
+
+
+def test_an_output_that_is_a_file_gets_one_clear_error_and_an_inert_probe(tmp_path, capfd):
+    target = tmp_path / "a-file"
+    target.write_text("not a folder")
+    atb_probe.enable(str(target), config())
+    with torch.no_grad():
+        torch.nn.Linear(2, 2)(torch.ones(2))
+    atb_probe.disable(timeout=60)
+    err = capfd.readouterr().err
+    assert f"output {target} is not a folder" in err and "Errno" not in err, err
+    assert "Ready to dump" not in err and target.read_text() == "not a folder"
+
+
+def test_the_final_status_says_exited_not_dumping(tmp_path):
+    atb_probe.enable(str(tmp_path), config())
+    atb_probe.disable(timeout=60)
+    (doc,) = [json.loads(p.read_text()) for p in (tmp_path / "atb_dump_data" / "status")
+              .glob("*.json")]
+    assert doc["exited"] is True and doc["state"] == "exited"
+
+
+def test_the_help_shows_the_load_command_whole_on_one_line():
+    import subprocess
+    import sys
+    shown = subprocess.run([sys.executable, "-m", "atb_probe.cli", "--help"],
+                           capture_output=True, text=True, timeout=60)
+    line = 'source "$(atb-probe where)/load_atb_probe.sh" --output=$PWD --config=$PWD/config.json'
+    assert any(row.strip() == line for row in shown.stdout.splitlines()), shown.stdout

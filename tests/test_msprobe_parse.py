@@ -1,11 +1,11 @@
 """Our `.bin` files read by mindstudio-probe's own `msprobe parse` (the original tool).
 
 mindstudio-probe is not a dependency: the test runs when `msprobe` is found (the MSPROBE
-environment variable, /work/msprobe-venv/bin/msprobe, or PATH) and is skipped otherwise.
+environment variable, else .venv-msprobe/bin/msprobe in this checkout, else PATH) and is skipped
+otherwise.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from atb_probe import load
 
-from conftest import config, dump, only_proc
+from conftest import MSPROBE_MISSING, config, dump, msprobe_executable, only_proc
 
 # The dtypes msprobe's ATB reader knows (its table: float32, float16, int8, int32, int64, bool,
 # bfloat16).
@@ -24,16 +24,7 @@ MSPROBE_DTYPES = [torch.float32, torch.float16, torch.int8, torch.int32, torch.i
                   torch.bfloat16]
 
 
-def _msprobe() -> str | None:
-    for candidate in (os.environ.get("MSPROBE"), "/work/msprobe-venv/bin/msprobe",
-                      shutil.which("msprobe")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
-pytestmark = pytest.mark.skipif(_msprobe() is None, reason="mindstudio-probe (msprobe) is not "
-                                "installed; set MSPROBE to its msprobe executable")
+pytestmark = pytest.mark.skipif(msprobe_executable() is None, reason=MSPROBE_MISSING)
 
 
 class Cast(nn.Module):
@@ -60,7 +51,7 @@ def test_msprobe_parse_reads_every_dtype_it_supports(tmp_path):
     for i in range(len(MSPROBE_DTYPES)):
         shutil.copy(round0 / f"{i}_Cast" / "after" / "outtensor0.bin", flat / f"cast{i}.bin")
     out = tmp_path / "parsed"
-    result = subprocess.run([_msprobe(), "parse", "-d", str(flat), "-t", "npy", "-o", str(out)],
+    result = subprocess.run([msprobe_executable(), "parse", "-d", str(flat), "-t", "npy", "-o", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     for i, dtype in enumerate(MSPROBE_DTYPES):

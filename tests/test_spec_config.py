@@ -28,16 +28,22 @@ def test_full_document_parses_without_warnings():
     assert cfg.save_child is True and cfg.device == (0, 3) and cfg.filter_level == 2
 
 
-def test_empty_object_gives_every_default_with_a_warning_per_key():
+def test_empty_object_gives_every_default_with_one_warning_naming_every_key():
     cfg, warnings = parse()
     assert cfg == DumpConfig()
     assert cfg.task == "tensor" and cfg.dump_enable is False
     assert cfg.exec_range.pairs == ((0, 0),) and 0 in cfg.exec_range and 1 not in cfg.exec_range
     assert cfg.ids == () and cfg.op_name == () and cfg.save_child is False
     assert cfg.device == () and cfg.filter_level == 1
-    assert len(warnings) == len(DEFAULTS)
-    for key in DEFAULTS:
-        assert any(f"'{key}' is missing" in w for w in warnings)
+    assert len(warnings) == 1 and warnings[0].startswith(f"{len(DEFAULTS)} keys are missing")
+    for key, default in DEFAULTS.items():
+        assert f"'{key}' {json.dumps(default)} (" in warnings[0]
+
+
+def test_one_missing_key_names_it_its_type_and_the_value_used():
+    doc = {k: v for k, v in DEFAULTS.items() if k != "ids"}
+    cfg, warnings = parse_config(json.dumps(doc))
+    assert warnings == ["'ids' is missing; using the default \"\" (str)"]
 
 
 @pytest.mark.parametrize("key,bad,expected_type", [

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import re
 import subprocess
 
@@ -16,7 +15,8 @@ from atb_probe.tools.resulttable import COLUMNS
 from atb_probe.tools.divergence import Thresholds
 from atb_probe.tools.dumpreader import open_dump
 
-from conftest import config, dump, generate, only_proc, tiny_llama
+from conftest import (MSPROBE_MISSING, config, dump, generate, msprobe_executable, only_proc,
+                      tiny_llama)
 
 PERTURBED_OP = "3_LlamaDecoderLayer/1_LlamaAttention/6_Linear"   # layers[1].self_attn.v_proj
 
@@ -249,10 +249,10 @@ def test_metrics_are_finite_where_present(vs_broken):
 
 @pytest.fixture(scope="module")
 def msprobe():
-    """The msprobe executable ($MSPROBE, else the venv this project tests against)."""
-    path = os.environ.get("MSPROBE", "/work/msprobe-venv/bin/msprobe")
-    if not os.path.isfile(path) or not os.access(path, os.X_OK):
-        pytest.skip(f"mindstudio-probe not installed (no executable at {path}; set MSPROBE)")
+    """The msprobe executable (`conftest.msprobe_executable`)."""
+    path = msprobe_executable()
+    if path is None:
+        pytest.skip(MSPROBE_MISSING)
     return path
 
 

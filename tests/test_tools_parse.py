@@ -1,7 +1,6 @@
 """`atb-probe parse`: .bin files of a real dump to .npy / .pt, every dtype, references resolved."""
 from __future__ import annotations
 
-import os
 import subprocess
 
 import numpy as np
@@ -14,7 +13,7 @@ from atb_probe.binfile import read_header
 from atb_probe.dtypes import DTYPES
 from atb_probe.tools.parse import parse_path
 
-from conftest import config, dump, only_proc
+from conftest import MSPROBE_MISSING, config, dump, msprobe_executable, only_proc
 
 
 class Passthrough(nn.Module):
@@ -141,9 +140,9 @@ def test_parse_errors_say_what_to_give_instead(tmp_path, capsys):
 
 def test_msprobe_parse_reads_our_files_as_we_do(dtype_dump, tmp_path):
     """msprobe's own parser (for the dtypes it knows) gives the same arrays as ours."""
-    msprobe = os.environ.get("MSPROBE", "/work/msprobe-venv/bin/msprobe")
-    if not os.path.isfile(msprobe):
-        pytest.skip(f"mindstudio-probe not installed (no executable at {msprobe}; set MSPROBE)")
+    msprobe = msprobe_executable()
+    if msprobe is None:
+        pytest.skip(MSPROBE_MISSING)
     root, tensors = dtype_dump
     after = only_proc(root) / "0" / "0_Passthrough" / "after"
     run = subprocess.run([msprobe, "parse", "-d", str(after), "-t", "npy", "-o",

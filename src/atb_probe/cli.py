@@ -19,8 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atb-probe",
         description="Operator-level precision dumps of PyTorch models in the msProbe ATB layout.",
-        epilog="Quick start:  atb-probe demo        "
-               "Load into a shell:  source \"$(atb-probe where)/load_atb_probe.sh\"",
+        epilog="quick start:\n  atb-probe demo\n\nload into a shell (every Python process "
+               "started from it is dumped):\n"
+               "  source \"$(atb-probe where)/load_atb_probe.sh\" --output=$PWD "
+               "--config=$PWD/config.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"atb-probe {atb_probe.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -94,9 +94,17 @@ def parse_config(text: str) -> tuple[DumpConfig | None, list[str]]:
             warnings.append(f"unknown key {_clip(key)!r} ignored (known keys: "
                             f"{', '.join(DEFAULTS)})")
     values = {}
+    missing = [key for key in DEFAULTS if key not in doc]
+    if len(missing) == 1:
+        key = missing[0]
+        warnings.append(f"'{key}' is missing; using the default {json.dumps(DEFAULTS[key])} "
+                        f"({_TYPE_NAMES[_TYPES[key]]})")
+    elif missing:  # one line, however many: a partial dict is one mistake
+        listed = ", ".join(f"'{key}' {json.dumps(DEFAULTS[key])} ({_TYPE_NAMES[_TYPES[key]]})"
+                           for key in missing)
+        warnings.append(f"{len(missing)} keys are missing; using their defaults: {listed}")
     for key, default in DEFAULTS.items():
         if key not in doc:
-            warnings.append(f"'{key}' is missing; using the default {json.dumps(default)}")
             values[key] = default
             continue
         value = doc[key]

@@ -93,7 +93,15 @@ class Probe:
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Attach: read the config once now (so it governs the very first round), then watch."""
+        """Attach: read the config once now (so it governs the very first round), then watch.
+        An output that cannot hold a folder leaves the probe inert, with one error."""
+        problem = output_problem(self.output)
+        if problem:
+            self.last_error = problem
+            log.error(f"{problem}: nothing can be dumped there, so the probe stays inert; "
+                      f"give a folder with --output")
+            self._closed = True
+            return
         from .capture.calltree import Engine
         self.engine = Engine(self, self.writer)
         if self._fixed_config is not None:
@@ -282,7 +290,8 @@ class Probe:
     def status(self) -> dict:
         """The status document, `atb_dump_data/status/<dev>_<pid>.json` (SPEC §4).
 
-        pid, device; state "sleeping" | "dumping"; device_selected (while dumping: whether the
+        pid, device; state "sleeping" | "dumping" ("exited" in the final
+        document); device_selected (while dumping: whether the
         config's `device` list lets this process dump at all, else null); exited (true once the
         probe closed: every file is written or `last_error` says what was not); rounds_started
         (root calls seen since the probe first woke: the number the next round gets),
@@ -354,6 +363,20 @@ class Probe:
         if self.engine is not None:
             self.engine.after_fork()
         self._start_thread()
+
+
+def output_problem(output: str) -> str | None:
+    """Why the output folder cannot be used (it, or a folder it would be made in, is a file),
+    or None."""
+    path = output
+    while True:
+        if os.path.exists(path):
+            return None if os.path.isdir(path) else f"output {output} is not a folder " \
+                f"({path} is a file)"
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
 
 
 def _config_doc(config: DumpConfig | None) -> dict | None:

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import config, read_csv  # noqa: E402
+from conftest import read_csv  # noqa: E402
 from vllm_harness import (EAGER_LINE, LAYER_OPS, WAKE, Server, answer_tokens,  # noqa: E402
                           layer_ops, model_files, probe_cli, tiny_model, vllm_cache,
                           wait_complete, worker_dir)

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -169,10 +168,6 @@ def wait_complete(root: Path, timeout: float = 30) -> str:
         shown = probe_cli("status", str(root))
         return shown.stdout if shown.returncode == 0 else None
     return wait_until(complete, timeout, "atb-probe status COMPLETE", interval=0.2)
-
-
-def started_at(when: float) -> float:
-    return time.monotonic() - when
 
 
 # -- fixtures (imported by the test modules) ------------------------------------------------

@@ -46,8 +46,9 @@ class StatusFile:
             if self._final:
                 return
             devpid, doc = self._document()
-            if final:
+            if final:  # the process is done: it neither sleeps nor dumps any more
                 doc["exited"] = True
+                doc["state"] = "exited"
             if not final and doc == self._last:
                 return
             snapshot = dict(doc)

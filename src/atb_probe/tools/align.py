@@ -172,10 +172,22 @@ def _sort(node: OpNode) -> None:
         _sort(c)
 
 
+@dataclass(frozen=True, slots=True)
+class Where:
+    """The `<dev>_<pid>/<round>` of each side of a round pair."""
+
+    golden: str
+    target: str
+
+    def of(self, side: str) -> str:
+        return self.golden if side == "golden" else self.target
+
+
 def align_rounds(golden: Round, target: Round, unmatched: list[Unmatched],
                  opmap: OpMap | None = None) -> list[OpPair]:
     """Pairs of ops of two rounds, in the target's execution order."""
-    where = f"{target.process.name}/{target.index}"
+    # Each side's entries name that side's process and round.
+    where = Where(f"{golden.process.name}/{golden.index}", f"{target.process.name}/{target.index}")
     pairs: list[OpPair] = []
     _align_nodes(build_tree(golden), build_tree(target), "id", pairs, unmatched, where,
                  opmap or OpMap())
@@ -184,7 +196,7 @@ def align_rounds(golden: Round, target: Round, unmatched: list[Unmatched],
 
 
 def _align_nodes(g: OpNode, t: OpNode, method: str, pairs: list[OpPair],
-                 unmatched: list[Unmatched], where: str, opmap: OpMap) -> None:
+                 unmatched: list[Unmatched], where: Where, opmap: OpMap) -> None:
     if g.op is not None and t.op is not None:
         if g.name == t.name:
             tensors = _align_tensors(g.op, t.op, method, unmatched, where)
@@ -193,7 +205,7 @@ def _align_nodes(g: OpNode, t: OpNode, method: str, pairs: list[OpPair],
         pairs.append(OpPair(g.op, t.op, method, tensors))
     elif g.op is not None or t.op is not None:
         side, node = ("golden", g) if g.op is not None else ("target", t)
-        unmatched.append(Unmatched(side, "op", where, node.path + " (tensors)",
+        unmatched.append(Unmatched(side, "op", where.of(side), node.path + " (tensors)",
                                    len(node.op.tensors)))
     if g.path == "":
         matched = _pair_layers(g.children, t.children, opmap)
@@ -208,7 +220,7 @@ def _align_nodes(g: OpNode, t: OpNode, method: str, pairs: list[OpPair],
                                 ("target", t.children, paired_t)):
         for node in nodes:
             if id(node) not in paired and node.count():
-                unmatched.append(Unmatched(side, "op", where, node.path, node.count()))
+                unmatched.append(Unmatched(side, "op", where.of(side), node.path, node.count()))
 
 
 def _by_id(golden: list[OpNode], target: list[OpNode]):
@@ -291,7 +303,7 @@ def squeezed(shape: str) -> tuple[str, ...]:
 
 
 def _align_tensors(g: Op, t: Op, method: str, unmatched: list[Unmatched],
-                   where: str) -> list[TensorPair]:
+                   where: Where) -> list[TensorPair]:
     g_by = {(x.io, x.index): x for x in g.tensors}
     pairs, left_t = [], []
     for x in t.tensors:
@@ -313,12 +325,12 @@ def _align_tensors(g: Op, t: Op, method: str, unmatched: list[Unmatched],
         left_t = still
     for side, rest in (("golden", list(g_by.values())), ("target", left_t)):
         for x in rest:
-            unmatched.append(Unmatched(side, "tensor", where, x.data_name))
+            unmatched.append(Unmatched(side, "tensor", where.of(side), x.data_name))
     pairs.sort(key=lambda p: p.target.order)
     return pairs
 
 
-def _align_by_shape(g: Op, t: Op, method: str, unmatched: list[Unmatched], where: str,
+def _align_by_shape(g: Op, t: Op, method: str, unmatched: list[Unmatched], where: Where,
                     opmap: OpMap) -> list[TensorPair]:
     """The tensors of two ops that are the same computation under different names."""
     pairs: list[TensorPair] = []
@@ -352,6 +364,6 @@ def _align_by_shape(g: Op, t: Op, method: str, unmatched: list[Unmatched], where
     for side, tensors, used in (("golden", g.tensors, used_g), ("target", t.tensors, used_t)):
         for x in tensors:
             if id(x) not in used:
-                unmatched.append(Unmatched(side, "tensor", where, x.data_name))
+                unmatched.append(Unmatched(side, "tensor", where.of(side), x.data_name))
     pairs.sort(key=lambda p: p.target.order)
     return pairs

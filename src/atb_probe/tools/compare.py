@@ -217,6 +217,8 @@ def write_outputs(result: CompareResult, out: str, xlsx: bool = True,
     """Write the CSV, the .xlsx and the HTML report into `out`; their paths."""
     from .report import REPORT_HTML, render_html
     from .resulttable import RESULT_CSV, RESULT_XLSX, XLSX_MAX_ROWS, write_csv, write_xlsx
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CompareError(f"--output {out} is not a folder")
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, RESULT_CSV)]
     write_csv(result, paths[0])
@@ -293,9 +295,14 @@ def _compare(args) -> int:
     if not result.rows:
         out.print("no tensor of TARGET could be paired with one of GOLDEN: are they dumps of "
                   "the same model, at the same level?")
-        _print_unmatched(out, result.unmatched)
+        _print_unmatched(out, result.unmatched, sheet=None)
         return 1
-    paths = write_outputs(result, args.output, xlsx=not args.no_xlsx, html=not args.no_html)
+    try:
+        paths = write_outputs(result, args.output, xlsx=not args.no_xlsx,
+                              html=not args.no_html)
+    except (CompareError, OSError) as exc:
+        print(f"atb-probe compare: cannot write the results: {exc}", file=sys.stderr)
+        return 2
     c = result.counts()
     out.print(f"compared {len(result.rows)} tensors in {len(result.rounds)} round(s): "
               f"{c['tensor']} by tensor, {c['statistics']} by statistics, "
@@ -303,7 +310,8 @@ def _compare(args) -> int:
     if result.name_matched_ops:
         out.print(f"{result.name_matched_ops} op(s) were paired by name, map or execution "
                   "order because the two runs' op structures differ there (column Match)")
-    _print_unmatched(out, result.unmatched)
+    sheet = next((p for p in paths if p.endswith(".xlsx")), None)
+    _print_unmatched(out, result.unmatched, sheet)
     if result.finding:
         style = "bold red" if result.finding.inputs_clean else "bold yellow"
         out.print(result.finding.summary(), style=style)
@@ -317,10 +325,14 @@ def _compare(args) -> int:
     return 0
 
 
-def _print_unmatched(out, unmatched: list[Unmatched], limit: int = 10) -> None:
+def _print_unmatched(out, unmatched: list[Unmatched], sheet: str | None,
+                     limit: int = 10) -> None:
+    """The entries of one side only; `sheet`: the .xlsx that lists them all, if one was
+    written."""
     if not unmatched:
         return
-    out.print(f"{len(unmatched)} entries could not be matched (sheet 'unmatched'):")
+    where = f" (all of them in sheet 'unmatched' of {sheet})" if sheet else ""
+    out.print(f"{len(unmatched)} entries could not be matched{where}:")
     for u in unmatched[:limit]:
         out.print(f"  only in {u.side}: {u.kind} {u.where}: {u.what}"
                   + (f" ({u.count} ops)" if u.kind == "op" and u.count > 1 else ""))
