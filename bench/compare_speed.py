@@ -5,10 +5,15 @@
     python bench/compare_speed.py --jobs 1,2,4 --json speed.json
     python bench/compare_speed.py --golden A --target B # measure on dumps you already have
     python bench/compare_speed.py --profile             # where one job's time goes (cProfile)
+    python bench/compare_speed.py --bf16-target --cli --what compare --jobs 1
+                                # fp32 golden, bf16 target, timed as `atb-probe compare` runs
 
 Without --golden/--target it dumps the `small` workload of workload.py twice (float32, a fixed
-seed; the target with one projection scaled by 1%) with `task: tensor`, `save_child: true` and
-`filter_level: 0`, so every `.bin` holds its bytes and the bytes read are the files' sizes.
+seed; the target with one projection scaled by 1%, or, with `--bf16-target`, the same model in
+bfloat16) with `task: tensor`, `save_child: true` and `filter_level: 0`, so every `.bin` holds
+its bytes and the bytes read are the files' sizes. With `--cli`, compare is timed end to end as
+`atb-probe compare GOLDEN TARGET --no-xlsx --no-html --jobs N` in a new process (its start
+included), as a user runs it.
 Before timing, every file is read once, so the numbers are those of page-cached files: what is
 measured is the tool, not the disk. Each measurement runs in a fresh subprocess (its peak RSS,
 and that of its largest worker, are its own).
@@ -46,6 +51,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write every measurement here")
     p.add_argument("--keep", help="keep the made dumps in this folder")
     p.add_argument("--profile", action="store_true", help="profile one job of compare")
+    p.add_argument("--bf16-target", action="store_true",
+                   help="make the target dump with the model in bfloat16")
+    p.add_argument("--cli", action="store_true",
+                   help="time compare as the atb-probe command, process start included")
     p.add_argument("--one", nargs=3, metavar=("WHAT", "JOBS", "PATHS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -56,7 +65,7 @@ def main(argv=None) -> int:
             golden, target = os.path.abspath(args.golden), os.path.abspath(args.target)
         else:
             work = args.keep or tempfile.mkdtemp(prefix="atb-compare-speed-")
-            golden, target = _make_dumps(work, args.rounds)
+            golden, target = _make_dumps(work, args.rounds, args.bf16_target)
         if args.profile:
             return _profile(golden, target)
         cores = _cores()
@@ -74,7 +83,8 @@ def main(argv=None) -> int:
             volume = sizes["golden"] + sizes["target"] if what == "compare" else sizes["target"]
             base = None
             for n in jobs:
-                runs = [_measure(what, n, golden, target) for _ in range(args.repeat)]
+                runs = [_measure_cli(n, golden, target) if args.cli and what == "compare"
+                        else _measure(what, n, golden, target) for _ in range(args.repeat)]
                 best = min(runs, key=lambda r: r["wall_s"])
                 base = base or best["wall_s"]     # the first job count's time
                 rate = volume / best["wall_s"] / 1e6
@@ -102,13 +112,15 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _make_dumps(folder: str, rounds: int) -> tuple[str, str]:
+def _make_dumps(folder: str, rounds: int, bf16_target: bool = False) -> tuple[str, str]:
     code = f"""
 import sys, torch
 sys.path.insert(0, {HERE!r})
 import atb_probe, workload
 w = workload.Workload(workload.spec("small"))
-if sys.argv[2] == "target":
+if sys.argv[2] == "target" and {bf16_target!r}:
+    w.model.to(torch.bfloat16)
+elif sys.argv[2] == "target":
     with torch.no_grad():
         w.model.model.layers[1].self_attn.v_proj.weight.mul_(1.01)
 cfg = dict(task="tensor", dump_enable=True, exec_range="0,{rounds - 1}", ids="", op_name="",
@@ -147,6 +159,22 @@ def _measure(what: str, jobs: int, golden: str, target: str) -> dict:
     if run.returncode != 0:
         raise SystemExit(f"{what} with {jobs} job(s) failed:\n{run.stderr}")
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _measure_cli(jobs: int, golden: str, target: str) -> dict:
+    """`atb-probe compare` as a user runs it, timed from the start of its process."""
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        run = subprocess.run([sys.executable, "-m", "atb_probe.cli", "compare", golden, target,
+                              "--no-xlsx", "--no-html", "--jobs", str(jobs), "--output", out],
+                             capture_output=True, text=True)
+        wall = time.perf_counter() - start
+    if run.returncode != 0:
+        raise SystemExit(f"atb-probe compare failed:\n{run.stdout}\n{run.stderr}")
+    tensors = int(run.stdout.split("compared ", 1)[1].split()[0])
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "tensors": tensors,
+            "rss_mb": usage.ru_maxrss / 1024, "worker_rss_mb": 0, "all_workers_rss_mb": 0}
 
 
 def _one(what: str, jobs: str, paths: str) -> int:
