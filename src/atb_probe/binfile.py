@@ -98,6 +98,36 @@ def parse_header(raw: bytes, file_size: int) -> BinHeader:
 
     Every size the header states is checked against the others and against `file_size`, so a
     caller that trusts the result never reads (or allocates) more than the file holds."""
+    fields = _fields_fast(raw)
+    if fields is not None:
+        offset = raw.find(b"\n$End=1\n") + 8
+    else:
+        fields, offset = _fields_line_by_line(raw)
+    return _header_of(fields, offset, file_size)
+
+
+def _fields_fast(raw: bytes) -> dict[str, str] | None:
+    """The header's fields in one split, for a well-formed header (most files); None sends the
+    header to `_fields_line_by_line`, whose errors say what is wrong."""
+    if raw.startswith(b"$End=1\n"):
+        return None
+    end = raw.find(b"\n$End=1\n", 0, MAX_HEADER_BYTES)
+    if end < 0:
+        return None
+    try:
+        lines = raw[:end].decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        return None
+    fields = {}
+    for line in lines:
+        key, sep, value = line.partition("=")
+        if not sep or not key or key in fields:
+            return None
+        fields[key] = value
+    return fields
+
+
+def _fields_line_by_line(raw: bytes) -> tuple[dict[str, str], int]:
     fields: dict[str, str] = {}
     pos = 0
     while True:
@@ -118,7 +148,10 @@ def parse_header(raw: bytes, file_size: int) -> BinHeader:
         if key in fields:
             raise BinFormatError(f"header repeats '{key}'")
         fields[key] = value
-    offset = pos
+    return fields, pos
+
+
+def _header_of(fields: dict[str, str], offset: int, file_size: int) -> BinHeader:
     for key in ("$Version", "$Object.Count", "$Object.Length", "dtype", "dims"):
         if key not in fields:
             raise BinFormatError(f"header lacks '{key}'")

@@ -7,7 +7,12 @@ import importlib
 import os
 import sys
 
-import atb_probe
+# Each job of compare and scan is one process doing one thing at a time (--jobs makes more):
+# numpy's BLAS must not spread a dot product over threads that wait for busy cores. Set before
+# numpy is imported, and inherited by the jobs' processes.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import atb_probe  # noqa: E402
 
 # Our own tools never dump themselves, even when started from a shell that loaded the probe.
 atb_probe._suppressed = True

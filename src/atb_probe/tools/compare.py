@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from . import extras
 from .align import Alignment, Unmatched, align_dumps
-from .arrays import load_values
+from .arrays import ReadBuffer, load_values
 from .comparison import CompareError, CompareResult, PairResult, TensorRef
 from .divergence import Finding, Thresholds, crosses, first_divergence
 from .dumpreader import DumpError, NoData, open_dump
@@ -166,8 +167,9 @@ def compare_pair(golden: TensorRef, target: TensorRef, mode: str = "auto",
     notes = []
     g_arr = t_arr = None
     if mode != "statistics" or golden.stats is None or target.stats is None:
-        g_arr, g_why = _load(golden)
-        t_arr, t_why = _load(target)
+        buffers = _buffers()
+        g_arr, g_why = _load(golden, buffers[0])
+        t_arr, t_why = _load(target, buffers[1])
         for side, why in (("golden", g_why), ("target", t_why)):
             if why:
                 notes.append(f"{side}: {why}")
@@ -205,9 +207,19 @@ def _empty(shape: str) -> bool:
     return "0" in shape.split("x")
 
 
-def _load(ref: TensorRef):
+_BUFFERS = threading.local()  # a thread compares one pair at a time: its two sides' memory
+
+
+def _buffers() -> tuple[ReadBuffer, ReadBuffer]:
+    buffers = getattr(_BUFFERS, "pair", None)
+    if buffers is None:
+        buffers = _BUFFERS.pair = (ReadBuffer(), ReadBuffer())
+    return buffers
+
+
+def _load(ref: TensorRef, buffer: ReadBuffer):
     try:
-        return load_values(ref.path), ""
+        return load_values(ref.path, buffer), ""
     except NoData as exc:
         return None, str(exc)
 

@@ -22,11 +22,15 @@ Statistics mode: `<stat> Diff` = target - golden, `Relative Err of <stat>(%)` = 
 Speed: a pair is reduced in chunks of `CHUNK` elements, so the float64 copies and temporaries of
 one chunk stay in the CPU cache and a job's memory does not grow with the tensor; every number of
 both tensors (the metrics and each side's max/min/mean/norm) comes out of the same pass. Sums
-and dot products are float64, so chunking changes results only in the last bits.
+and dot products are float64, so chunking changes results only in the last bits. The chunks'
+copies and temporaries go into buffers made once per process (`_Scratch`): a fresh array of a
+chunk's size is above the allocator's mmap threshold, and its page faults cost ten times the
+arithmetic.
 """
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,10 +105,14 @@ def compare_arrays(golden: np.ndarray, target: np.ndarray, loose_shapes: bool = 
     eps = work(np.finfo(work).eps)
     n = g.size
     acc = _Acc()
+    scratch = _scratch()
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for start in range(0, n, CHUNK):
             gs, ts = g[start:start + CHUNK], t[start:start + CHUNK]
-            gc, tc = gs.astype(np.float64), ts.astype(np.float64)
+            m = gs.size
+            gc, tc = scratch.golden[:m], scratch.target[:m]
+            np.copyto(gc, gs, casting="unsafe")
+            np.copyto(tc, ts, casting="unsafe")
             gg, tt = _dot(gc, gc), _dot(tc, tc)
             if not (math.isfinite(gg) and math.isfinite(tt)):
                 g_bad, t_bad = ~np.isfinite(gc), ~np.isfinite(tc)
@@ -118,7 +126,7 @@ def compare_arrays(golden: np.ndarray, target: np.ndarray, loose_shapes: bool = 
                     tc[t_bad] = 0.0
                     gs, ts = gc, tc
                     gg, tt = _dot(gc, gc), _dot(tc, tc)
-            diff = tc - gc
+            diff = np.subtract(tc, gc, out=scratch.diff[:m])
             acc.dd += _dot(diff, diff)
             acc.max_abs = max(acc.max_abs, float(diff.max()), -float(diff.min()))
             acc.gg += gg
@@ -129,18 +137,20 @@ def compare_arrays(golden: np.ndarray, target: np.ndarray, loose_shapes: bool = 
             # msprobe works in the inputs' own float type (float32 for fp32/bf16/fp16 data), so
             # its epsilon and rounding are float32's; match it so both tools report the same
             # numbers.
-            gw = gs if gs.dtype == work else gc.astype(work)
-            tw = ts if ts.dtype == work else tc.astype(work)
-            zero = gw == 0
+            gw = _as_work(gs, gc, work, scratch.golden32[:m])
+            tw = _as_work(ts, tc, work, scratch.target32[:m])
+            mask = scratch.mask[:m]
+            zero = np.equal(gw, 0, out=mask)
             if zero.any():
                 gw = np.where(zero, gw + eps, gw)
                 tw = np.where(zero, tw + eps, tw)
-            rel = np.subtract(tw, gw, dtype=work)
+            rel = scratch.rel64[:m] if work is np.float64 else scratch.rel32[:m]
+            np.subtract(tw, gw, out=rel, dtype=work)
             np.divide(rel, gw, out=rel)
             np.abs(rel, out=rel)
             acc.max_rel = max(acc.max_rel, float(rel.max()))
-            acc.below_1 += int(np.count_nonzero(rel < 0.001))
-            acc.below_5 += int(np.count_nonzero(rel < 0.005))
+            acc.below_1 += int(np.count_nonzero(np.less(rel, 0.001, out=mask)))
+            acc.below_5 += int(np.count_nonzero(np.less(rel, 0.005, out=mask)))
     result.euc_distance = math.sqrt(acc.dd)
     result.max_abs_err = acc.max_abs
     result.max_rel_err = acc.max_rel
@@ -154,6 +164,36 @@ def compare_arrays(golden: np.ndarray, target: np.ndarray, loose_shapes: bool = 
     else:
         g_stats, t_stats = acc.stats(0, n), acc.stats(1, n)
     return result, "", g_stats, t_stats
+
+
+def _as_work(chunk: np.ndarray, wide: np.ndarray, work, buffer: np.ndarray) -> np.ndarray:
+    """A chunk in the work dtype: itself, its float64 copy, or a float32 copy in `buffer`."""
+    if chunk.dtype == work:
+        return chunk
+    if work is np.float64:
+        return wide
+    np.copyto(buffer, chunk, casting="unsafe")
+    return buffer
+
+
+class _Scratch:
+    """The buffers of one chunk, made once per process (see the module docstring)."""
+
+    def __init__(self):
+        self.golden, self.target, self.diff, self.rel64 = (np.empty(CHUNK) for _ in range(4))
+        self.golden32, self.target32, self.rel32 = (np.empty(CHUNK, np.float32)
+                                                    for _ in range(3))
+        self.mask = np.empty(CHUNK, bool)
+
+
+_SCRATCH = threading.local()  # one per thread: a thread compares one pair at a time
+
+
+def _scratch() -> _Scratch:
+    scratch = getattr(_SCRATCH, "buffers", None)
+    if scratch is None:
+        scratch = _SCRATCH.buffers = _Scratch()
+    return scratch
 
 
 class _Acc:
@@ -181,10 +221,9 @@ class _Acc:
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> float:
-    """The float64 dot product of two flat chunks, single-threaded: einsum's own loop, because
-    BLAS spreads a dot of this size over threads that, on a busy machine, wait for cores and
-    make it several times slower (and it competes with the other jobs)."""
-    return float(np.einsum("i,i->", a, b))
+    """The float64 dot product of two flat chunks (the command line runs numpy's BLAS on one
+    thread: cli.py)."""
+    return float(np.dot(a, b))
 
 
 def _squeezed(shape: tuple) -> tuple:
