@@ -3,7 +3,12 @@ it prints says so and what to change."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 import atb_probe
@@ -67,9 +72,16 @@ def test_the_final_status_says_exited_not_dumping(tmp_path):
 
 
 def test_the_help_shows_the_load_command_whole_on_one_line():
-    import subprocess
-    import sys
     shown = subprocess.run([sys.executable, "-m", "atb_probe.cli", "--help"],
                            capture_output=True, text=True, timeout=60)
     line = 'source "$(atb-probe where)/load_atb_probe.sh" --output=$PWD --config=$PWD/config.json'
     assert any(row.strip() == line for row in shown.stdout.splitlines()), shown.stdout
+
+
+def test_the_demo_folder_is_ignored_by_git_in_a_clone():
+    repo = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    for made in ("atb-probe-demo/", ".venv-engines/", ".venv-msprobe/"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", made], cwd=repo)
+        assert ignored.returncode == 0, f"{made} would show as untracked"
