@@ -3,6 +3,7 @@ it prints says so and what to change."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,25 @@ def test_the_demo_folder_is_ignored_by_git_in_a_clone():
     for made in ("atb-probe-demo/", ".venv-engines/", ".venv-msprobe/"):
         ignored = subprocess.run(["git", "check-ignore", "-q", made], cwd=repo)
         assert ignored.returncode == 0, f"{made} would show as untracked"
+
+
+def run_cli_run(tmp_path, *args):
+    script = tmp_path / "model.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATB_")}
+    return subprocess.run([sys.executable, "-m", "atb_probe.cli", "run", f"--output={tmp_path}",
+                           *args, "--", sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
+
+
+def test_atb_probe_run_without_config_says_the_bundled_one_dumps_nothing(tmp_path):
+    result = run_cli_run(tmp_path)
+    assert result.returncode == 0 and "ran" in result.stdout
+    assert 'config.json has "dump_enable": false: the probe sleeps and dumps nothing' in \
+        result.stderr, result.stderr
+
+
+def test_atb_probe_run_with_a_config_that_does_not_exist_says_so(tmp_path):
+    result = run_cli_run(tmp_path, f"--config={tmp_path}/nope.json")
+    assert result.returncode == 0
+    assert f"no config file at {tmp_path}/nope.json yet" in result.stderr, result.stderr
