@@ -60,7 +60,6 @@ class VllmSteps:
         self.engine = engine
         self.patched: list[tuple[type, str, object]] = []  # (class, attribute, original)
         self.pending: dict[int, object] = {}  # id(runner) -> its step awaiting sample_tokens
-
         self._hook: _ImportHook | None = None
 
     @property
@@ -91,16 +90,17 @@ class VllmSteps:
 
     def attach(self) -> bool:
         """Patch the runner classes vLLM has imported so far; whether any is patched now."""
+        wrappers = (("execute_model", self._execute_model), ("sample_tokens", self._sample_tokens),
+                    ("_model_forward", self._model_forward))
         for module_name, class_name in RUNNERS:
             cls = getattr(sys.modules.get(module_name), class_name, None)
-            if not isinstance(cls, type) or hasattr(vars(cls).get("execute_model"), _MARK):
+            if not isinstance(cls, type):
                 continue
-            if "execute_model" in vars(cls):
-                self._patch(cls, "execute_model", self._execute_model)
-            if "sample_tokens" in vars(cls):
-                self._patch(cls, "sample_tokens", self._sample_tokens)
-            if "_model_forward" in vars(cls):
-                self._patch(cls, "_model_forward", self._model_forward)
+            for name, make in wrappers:
+                # Only what the class defines itself (a subclass inherits the patched method),
+                # and only once.
+                if name in vars(cls) and not hasattr(vars(cls)[name], _MARK):
+                    self._patch(cls, name, make)
         return self.attached
 
     def detach(self) -> None:
@@ -187,7 +187,9 @@ class VllmSteps:
 
 
 class _ImportHook(importlib.abc.MetaPathFinder):
-    """Calls `then()` right after one of the modules `names` is executed by its import."""
+    """Calls `then()` right after one of the modules `names` is executed by its import. (The
+    bootstrap's hook for `import torch` works the same way; it stays apart because it must run
+    before anything of the package is imported.)"""
 
     def __init__(self, names: set[str], then):
         self.names = names
