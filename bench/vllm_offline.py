@@ -13,7 +13,11 @@ started like a user's (through the load script where probed), alternated pair by
 
 Each process makes the engine, generates once to warm up, then times `--repeats` generations
 (the median is its time). The ratio of a case is its time over the un-probed time measured in
-the same pair; the table gives the median ratio and the range over the pairs. Engine start-up
+the same pair; the table gives the median ratio and the range over the pairs. Separate engines
+differ by ±10% on a shared machine, so the `sleeping` engine also measures the awake probe
+itself: it alternates generations asleep and awake (statistics of every step's layer-level
+ops; config.json rewritten between them, and the worker's status file read until it is in
+effect), which gives `stat-layer / sleeping` within one engine. Engine start-up
 is not timed. With `--compiled`, vLLM compiles the model (its default): the dumped steps of
 `stat-layer` run eagerly, so its ratio includes what eager costs against compiled.
 """
@@ -36,30 +40,61 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "src" / "atb_probe" / "scripts" 
 
 
 def child(args) -> None:
-    """One engine: warm up, then print the time of each timed generation."""
+    """One engine: warm up, then print the time of each timed generation (with --alternate,
+    also those of generations with the probe awake, alternating with asleep ones)."""
     from vllm import LLM, SamplingParams
     llm = LLM(model=args.model, enforce_eager=not args.compiled, max_model_len=256,
               dtype="float32", max_num_seqs=PROMPTS, seed=0)
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     prompts = [f"prompt {i}: the quick brown fox jumps over the lazy dog" for i in range(PROMPTS)]
     llm.generate(prompts, params, use_tqdm=False)
-    times = []
-    for _ in range(args.repeats):
-        started = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - started)
+    times, awake = [], []
+    for i in range(args.repeats):
+        for wake in ((False, True) if args.alternate else (False,))[::1 if i % 2 else -1]:
+            if args.alternate:
+                _set_awake(args.alternate, wake)
+            started = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            (awake if wake else times).append(time.perf_counter() - started)
     print("TIMES " + json.dumps(times), flush=True)
+    if args.alternate:
+        print("AWAKE " + json.dumps(awake), flush=True)
 
 
-def run_case(case: str, args, work: Path) -> float:
-    """The median generation time of one process of `case`."""
+def _set_awake(out: str, wake: bool) -> None:
+    """Rewrite OUT/config.json and wait until the worker (the process with rounds, else the
+    newest) has it in effect."""
+    (Path(out) / "config.json").write_text(json.dumps(_config(wake)))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        docs = []
+        for p in (Path(out) / "atb_dump_data" / "status").glob("*.json"):
+            try:
+                docs.append(json.loads(p.read_text()))
+            except ValueError:
+                pass
+        docs.sort(key=lambda d: (d.get("rounds_started", 0), d.get("started_at", "")))
+        effect = docs[-1].get("config_in_effect") if docs else None
+        if (effect or {}).get("dump_enable", False) == wake:
+            return
+        time.sleep(0.05)
+    raise SystemExit("the worker did not apply the config in 30 s")
+
+
+def _config(wake: bool) -> dict:
+    return {"task": "statistics", "dump_enable": wake, "exec_range": "all", "ids": "",
+            "op_name": "", "save_child": False, "device": "", "filter_level": 1}
+
+
+def run_case(case: str, args, work: Path) -> tuple[float, float | None]:
+    """The median generation time of one process of `case` (and, for `sleeping`, the median
+    of its awake generations)."""
     out = work / f"{case}-{time.monotonic_ns()}"
     out.mkdir()
-    config = {"task": "statistics", "dump_enable": case == "stat-layer", "exec_range": "all",
-              "ids": "", "op_name": "", "save_child": False, "device": "", "filter_level": 1}
-    (out / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps(_config(case == "stat-layer")))
     command = (f'"{sys.executable}" "{__file__}" --child --model "{args.model}" '
-               f'--repeats {args.repeats}{" --compiled" if args.compiled else ""}')
+               f'--repeats {args.repeats}{" --compiled" if args.compiled else ""}'
+               f'{f" --alternate {out}" if case == "sleeping" else ""}')
     if case != "unprobed":
         command = (f'source "{SCRIPTS}/load_atb_probe.sh" --output="{out}" '
                    f'--config="{out}/config.json" >/dev/null && {command}')
@@ -71,10 +106,12 @@ def run_case(case: str, args, work: Path) -> float:
     lines = [line for line in result.stdout.splitlines() if line.startswith("TIMES ")]
     if result.returncode or not lines:
         raise SystemExit(f"{case} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    if case == "stat-layer":
+    if case != "unprobed":
         rounds = list((out / "atb_dump_data" / "data").glob("*/*/statistic.csv"))
-        assert rounds, "stat-layer wrote no round"
-    return statistics.median(json.loads(lines[-1][len("TIMES "):]))
+        assert rounds, f"{case} wrote no round"
+    awake = [line for line in result.stdout.splitlines() if line.startswith("AWAKE ")]
+    return (statistics.median(json.loads(lines[-1][len("TIMES "):])),
+            statistics.median(json.loads(awake[-1][len("AWAKE "):])) if awake else None)
 
 
 def main() -> None:
@@ -85,6 +122,7 @@ def main() -> None:
                         help="let vLLM compile the model (default: enforce_eager)")
     parser.add_argument("--model", help="a checkpoint folder (default: a random Llama)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--alternate", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
@@ -95,14 +133,19 @@ def main() -> None:
             args.model = str(save_llama(work / "model", layers=4, hidden=256, vocab=1024,
                                         intermediate=1024))
         ratios: dict[str, list[float]] = {c: [] for c in CASES[1:]}
+        same_engine: list[float] = []
         base: list[float] = []
         for pair in range(args.pairs):
-            times = {case: run_case(case, args, work) for case in CASES}
+            measured = {case: run_case(case, args, work) for case in CASES}
+            times = {case: t for case, (t, _) in measured.items()}
             base.append(times["unprobed"])
             for case in CASES[1:]:
                 ratios[case].append(times[case] / times["unprobed"])
+            awake = measured["sleeping"][1]
+            same_engine.append(awake / times["sleeping"])
             print(f"pair {pair + 1}: " + ", ".join(f"{c} {t * 1000:.0f} ms"
-                                                   for c, t in times.items()), file=sys.stderr)
+                                                   for c, t in times.items())
+                  + f"; in the sleeping engine, awake {awake * 1000:.0f} ms", file=sys.stderr)
     mode = "compiled" if args.compiled else "enforce_eager"
     model = "the small workload's Llama" if args.model.startswith(tmp) else args.model
     print(f"vLLM offline, {PROMPTS} prompts x {TOKENS} tokens, {model}, {mode}, "
@@ -112,6 +155,9 @@ def main() -> None:
     for case, values in ratios.items():
         print(f"| {case} | {statistics.median(values):.2f} "
               f"({min(values):.2f}-{max(values):.2f}) |")
+    print(f"| stat-layer / sleeping, one engine alternating | "
+          f"{statistics.median(same_engine):.2f} "
+          f"({min(same_engine):.2f}-{max(same_engine):.2f}) |")
 
 
 if __name__ == "__main__":
