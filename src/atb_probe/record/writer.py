@@ -124,10 +124,6 @@ class Writer:
         self._reset_queue()
         self._closed = False
         tree.progress = self._progress
-        # The CPUs the process could use when the probe started: the writer thread keeps to
-        # them, not to the one core an engine may bind its model thread to later (vLLM's CPU
-        # worker binds itself to a core; a thread started after that inherits it).
-        self._cpus = _affinity()
 
     def _reset_queue(self) -> None:
         self._jobs: deque = deque()
@@ -256,11 +252,6 @@ class Writer:
             self._thread.start()
 
     def _run(self) -> None:
-        if self._cpus:
-            try:
-                os.sched_setaffinity(0, self._cpus)  # this thread only
-            except OSError:
-                pass
         while True:
             with self._cond:
                 job = None
@@ -483,10 +474,3 @@ def _stall_from_env() -> float:
     except ValueError:
         return DEFAULT_STALL_SECONDS
     return value if value > 0 else DEFAULT_STALL_SECONDS
-
-
-def _affinity() -> set[int] | None:
-    try:
-        return os.sched_getaffinity(0)
-    except (AttributeError, OSError):  # not on Linux
-        return None
