@@ -193,7 +193,8 @@ class Probe:
         self.config_applied_at = utc_now()
         if config is not None and config.dump_enable:
             device = self.device if self.device is not None else local_rank()
-            if config.device and device not in config.device:
+            excluded = bool(config.device) and device not in config.device
+            if excluded:
                 # SPEC §8: said at load (and in the status file), with no "Ready to dump" line.
                 if config.device != self._excluded_said:
                     self._excluded_said = config.device
@@ -203,7 +204,7 @@ class Probe:
                 log.info(f'exec_range "{config.exec_range.spec}" selects only rounds that have '
                          f"passed (the next round is {self.rounds_started}): nothing more is "
                          f"dumped; `atb-probe status` gives the next round's number")
-            if not self.woken and (not config.device or device in config.device):
+            if not self.woken and not excluded:
                 self.woken = True
                 log._emit(WAKE_MESSAGE)
                 try:
@@ -290,10 +291,10 @@ class Probe:
     def status(self) -> dict:
         """The status document, `atb_dump_data/status/<dev>_<pid>.json` (SPEC §4).
 
-        pid, device; state "sleeping" | "dumping" ("exited" in the final
-        document); device_selected (while dumping: whether the
-        config's `device` list lets this process dump at all, else null); exited (true once the
-        probe closed: every file is written or `last_error` says what was not); rounds_started
+        pid, device; state "sleeping" | "dumping" ("exited" in the final document);
+        device_selected (while dumping: whether the config's `device` list lets this process
+        dump at all, else null); exited (true once the probe closed: every file is written or
+        `last_error` says what was not); rounds_started
         (root calls seen since the probe first woke: the number the next round gets),
         rounds_dumped (selected rounds that wrote data), rounds_empty (selected rounds that wrote
         nothing: no op matched `ids` / `op_name`);
@@ -302,10 +303,10 @@ class Probe:
         rewrite), round_open (a dumped round is running: more of its data is to come),
         files_skipped;
         last_error; compile_problem (why the ops inside compiled code are not dumped, with
-        what to do, or null); config (the watched file), config_in_effect (the configuration new rounds
-        start under, null while there is none), config_applied_at, config_problem (why the file
-        on disk is not the one in effect, or null); output; started_at, proc_start (to tell a
-        reused pid), updated_at (ISO 8601 times).
+        what to do, or null); config (the watched file), config_in_effect (the configuration
+        new rounds start under, null while there is none), config_applied_at, config_problem
+        (why the file on disk is not the one in effect, or null); output; started_at,
+        proc_start (to tell a reused pid), updated_at (ISO 8601 times).
         """
         stats = self.writer.stats
         config = self.config

@@ -355,10 +355,11 @@ class Recorder:
             if file is None:
                 if not rnd.layer_nodes:
                     return
-                file = self._model_files[model.name, rnd.phase] = ModelFile(layout.model_info_dir(rnd.devpid), {
+                file = ModelFile(layout.model_info_dir(rnd.devpid), {
                     "modelName": f"{model.name}_{rnd.phase}", "modelType": model.name,
                     "phase": rnd.phase, "param": _model_param(rnd.root_module), "rounds": [],
                     "nodes": rnd.layer_nodes})
+                self._model_files[model.name, rnd.phase] = file
                 file.add_round(rnd.index)
                 self._write_model_file(file)
             elif file.add_round(rnd.index):

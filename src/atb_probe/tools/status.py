@@ -11,6 +11,7 @@ one that ended without writing `exited` (killed) is listed as "gone".
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -32,7 +33,6 @@ example: atb-probe status --wait 60 $PWD"""
 
 
 def register(sub) -> None:
-    import argparse
     p = sub.add_parser("status", help="show each process's dump progress; exit 0 when complete",
                        description="Show the progress of every process dumping into OUTPUT and "
                                    "say whether all queued data is on disk.",
