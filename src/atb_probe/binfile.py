@@ -98,17 +98,14 @@ def parse_header(raw: bytes, file_size: int) -> BinHeader:
 
     Every size the header states is checked against the others and against `file_size`, so a
     caller that trusts the result never reads (or allocates) more than the file holds."""
-    fields = _fields_fast(raw)
-    if fields is not None:
-        offset = raw.find(b"\n$End=1\n") + 8
-    else:
-        fields, offset = _fields_line_by_line(raw)
+    fields, offset = _fields_fast(raw) or _fields_line_by_line(raw)
     return _header_of(fields, offset, file_size)
 
 
-def _fields_fast(raw: bytes) -> dict[str, str] | None:
-    """The header's fields in one split, for a well-formed header (most files); None sends the
-    header to `_fields_line_by_line`, whose errors say what is wrong."""
+def _fields_fast(raw: bytes) -> tuple[dict[str, str], int] | None:
+    """The header's fields and the payload's offset, in one split, for a well-formed header
+    (most files); None sends the header to `_fields_line_by_line`, whose errors say what is
+    wrong."""
     if raw.startswith(b"$End=1\n"):
         return None
     end = raw.find(b"\n$End=1\n", 0, MAX_HEADER_BYTES)
@@ -124,7 +121,7 @@ def _fields_fast(raw: bytes) -> dict[str, str] | None:
         if not sep or not key or key in fields:
             return None
         fields[key] = value
-    return fields
+    return fields, end + len(b"\n$End=1\n")
 
 
 def _fields_line_by_line(raw: bytes) -> tuple[dict[str, str], int]:

@@ -100,14 +100,14 @@ def _payload(f, path: str, header, raw: str, buffer: ReadBuffer | None) -> np.nd
     if buffer is None:
         array = np.fromfile(f, dtype=raw, count=header.numel)
     else:
-        memory = buffer.raw(header.numel * np.dtype(raw).itemsize)
+        itemsize = np.dtype(raw).itemsize
+        memory = buffer.raw(header.numel * itemsize)
         view, got = memoryview(memory), 0
         while got < memory.size:
             n = f.readinto(view[got:])
             if not n:
                 break
             got += n
-        itemsize = np.dtype(raw).itemsize
         array = memory[:got - got % itemsize].view(raw)
     if array.size != header.numel:
         raise BinFormatError(f"{path}: payload shorter than its header says")

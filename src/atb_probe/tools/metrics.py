@@ -23,7 +23,7 @@ Speed: a pair is reduced in chunks of `CHUNK` elements, so the float64 copies an
 one chunk stay in the CPU cache and a job's memory does not grow with the tensor; every number of
 both tensors (the metrics and each side's max/min/mean/norm) comes out of the same pass. Sums
 and dot products are float64, so chunking changes results only in the last bits. The chunks'
-copies and temporaries go into buffers made once per process (`_Scratch`): a fresh array of a
+copies and temporaries go into buffers made once per thread (`_Scratch`): a fresh array of a
 chunk's size is above the allocator's mmap threshold, and its page faults cost ten times the
 arithmetic.
 """
@@ -177,7 +177,7 @@ def _as_work(chunk: np.ndarray, wide: np.ndarray, work, buffer: np.ndarray) -> n
 
 
 class _Scratch:
-    """The buffers of one chunk, made once per process (see the module docstring)."""
+    """The buffers of one chunk, made once per thread (see the module docstring)."""
 
     def __init__(self):
         self.golden, self.target, self.diff, self.rel64 = (np.empty(CHUNK) for _ in range(4))
