@@ -90,6 +90,10 @@ def _check(wl, name: str, pairs: int, base_syncs: int, work: str) -> dict:
         syncs = _syncs(lambda: _generate(wl), wl.model, mode)
         atb_probe.active().writer.flush(600)
         error = atb_probe.active().last_error
+        segments = atb_probe.active().engine.recorder.stats.device.segment_failure
+        if segments is not None:
+            print(f"{name}: statistics by segments failed, batches went tensor by tensor: "
+                  f"{segments}")
     finally:
         atb_probe.disable(timeout=600)
     remove(out)
@@ -131,11 +135,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--workload", choices=sorted(workloads.SPECS), default="small")
     parser.add_argument("--no-segments", action="store_true",
-                        help="reduce a batch's tensors one by one (statistics.device_row), not "
+                        help="reduce a batch's tensors one by one (stats_compute.device_row), not "
                         "by segments: the A/B of that choice")
     opts = parser.parse_args(argv)
     if opts.no_segments:
-        from atb_probe.capture import statistics as probe_statistics
+        from atb_probe.capture import stats_compute as probe_statistics
         probe_statistics.SEGMENTS_FROM = 1 << 62
     if not torch.cuda.is_available():
         print("device_check needs a CUDA GPU (torch.cuda.is_available() is False here); "
@@ -170,10 +174,6 @@ def main(argv=None) -> int:
         print(f"| {r['case']} | {GOALS.get(r['case'], '')} | {r['ratio']:.2f} | "
               f"{r['plain_ms']:.1f} | {r['probed_ms']:.1f} | {plain} | "
               f"{r['syncs']} ({base_syncs}; mode {r['mode']}) | {r['error'] or ''} |")
-    from atb_probe.capture import statistics as probe_statistics
-    if probe_statistics.segment_failure is not None:
-        print("statistics by segments failed, batches went tensor by tensor: "
-              f"{probe_statistics.segment_failure}")
     print("no sync by the probe inside a round" if not failed else
           "THE PROBE SYNCHRONISED INSIDE A ROUND (see the table)")
     return 1 if failed else 0

@@ -300,8 +300,8 @@ def test_the_statistics_cache_holds_one_entry_per_live_tensor(tmp_path, monkeypa
     would the entry of each of its past versions. The cache keeps what can still be used: its
     size stays bounded however many rounds run."""
     import atb_probe
-    from atb_probe.capture import statscache
-    monkeypatch.setattr(statscache, "MIN_ENTRIES", 16)
+    from atb_probe.capture import stats_reuse
+    monkeypatch.setattr(stats_reuse, "MIN_ENTRIES", 16)
 
     class Cached(nn.Module):
         def __init__(self):
@@ -333,7 +333,7 @@ def test_the_statistics_cache_holds_one_entry_per_live_tensor(tmp_path, monkeypa
                 sizes.append((len(stats._entries), len(stats._seen)))
 
     dump(tmp_path, config(task="statistics", save_child=True), run)
-    assert max(max(pair) for pair in sizes) <= 4 * statscache.MIN_ENTRIES
+    assert max(max(pair) for pair in sizes) <= 4 * stats_reuse.MIN_ENTRIES
 
 
 @pytest.mark.parametrize("overrides", [

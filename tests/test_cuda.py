@@ -12,9 +12,9 @@ from torch import nn
 
 import atb_probe
 from atb_probe.binread import load_numpy
-from atb_probe.capture import statistics
-from atb_probe.capture.statistics import compute
-from atb_probe.statcells import new_cell, new_serial, values
+from atb_probe.capture import stats_compute as statistics
+from atb_probe.capture.stats_compute import DeviceStatistics, compute
+from atb_probe.stats_cell import new_cell, new_serial, values
 from atb_probe.tools.compare import compare_dumps
 from conftest import config, dump, generate, only_proc, read_csv, run_loaded, tiny_llama
 
@@ -45,9 +45,15 @@ def _tensors() -> dict:
     }
 
 
+_DEVICE = DeviceStatistics()  # the device statistics of the tests that reduce on their own
+
+
 def _stats(tensors: list) -> list:
     cells = [new_cell(new_serial()) for _ in tensors]
-    compute(tensors, cells)
+    compute(tensors, cells, _DEVICE)
+    landing = _DEVICE.landing()
+    if landing is not None:
+        landing.wait()
     return [values(c) for c in cells]
 
 
@@ -79,7 +85,7 @@ def test_device_statistics_equal_the_host_statistics(batched):
         assert g is not None, name
         assert _close(w, g, 1e-5), (name, w, g)
     assert math.isfinite(got[names.index("overflows float32")][3])
-    assert statistics.segment_failure is None
+    assert _DEVICE.segment_failure is None
 
 
 def test_many_tensors_of_a_batch_are_reduced_by_segments_on_the_device():
@@ -90,7 +96,7 @@ def test_many_tensors_of_a_batch_are_reduced_by_segments_on_the_device():
     want, got = _stats(host), _stats([t.cuda() for t in host])
     for i, (w, g) in enumerate(zip(want, got)):
         assert _close(w, g, 1e-5), (i, w, g)
-    assert statistics.segment_failure is None and "cuda" not in statistics.no_segments
+    assert _DEVICE.segment_failure is None and "cuda" not in _DEVICE.no_segments
 
 
 class Stack(nn.Module):
@@ -127,7 +133,8 @@ def test_the_probe_never_synchronises_inside_a_round(tmp_path, task, save_child)
             for _ in range(3):
                 model(x)  # raises here if the model's own code synchronised
         assert probe.last_error is None, probe.last_error
-        assert statistics.segment_failure is None, statistics.segment_failure
+        device = probe.engine.recorder.stats.device
+        assert device.segment_failure is None, device.segment_failure
     finally:
         on.remove(), off.remove()
         torch.cuda.set_sync_debug_mode("default")

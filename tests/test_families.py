@@ -257,7 +257,7 @@ def test_model_file_lists_its_rounds(tmp_path):
 @given(st.lists(st.integers(0, 60), unique=True, max_size=40))
 def test_model_file_rounds_are_sorted_ranges_whatever_order_rounds_end_in(order):
     """Threads serving one model end their rounds in any order."""
-    from atb_probe.capture.recorder import ModelFile
+    from atb_probe.capture.structure import ModelFile
     file = ModelFile("info/model/0_1", {"rounds": []})
     for index in order:
         file.add_round(index)

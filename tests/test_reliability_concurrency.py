@@ -124,8 +124,8 @@ def test_eight_threads_dumping_statistics_with_save_child_match_a_dump_made_alon
     """A server's pattern: one model, eight request threads calling it at once, statistics of
     every op and kernel. The statistics cache and the structure bookkeeping are shared by the
     threads; a small cache keeps its sweeps running all the time."""
-    from atb_probe.capture import statscache
-    monkeypatch.setattr(statscache, "MIN_ENTRIES", 16)
+    from atb_probe.capture import stats_reuse
+    monkeypatch.setattr(stats_reuse, "MIN_ENTRIES", 16)
     model = tiny_llama()
     inputs = [torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(i))
               for i in range(8)]

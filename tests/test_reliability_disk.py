@@ -27,9 +27,10 @@ import torch
 
 import atb_probe
 from atb_probe.binfile import read_header
+from atb_probe.record.jobs import JsonJob, RowsJob, TensorFileJob
 from atb_probe.record.safefs import SafeTree
 from atb_probe.record.writer import Writer
-from atb_probe.statcsv import COLUMNS, HEADER
+from atb_probe.statcsv import COLUMNS, HEADER, tensor_path_cell
 
 from conftest import config, generate, tiny_llama
 
@@ -231,9 +232,18 @@ def test_disk_filled_by_another_writer_at_any_point_is_handled(mount_fs, monkeyp
     check_dump(fs.path / "atb_dump_data")
 
 
-def tensor_record(path: str, index: int = 0) -> tuple:
-    """The statistic.csv side record (statcsv.py) of an op output written to `path`."""
-    return ("0_1", "0", "Op", "Op", "0", "output", str(index), "float", "4", None, path)
+def tensor_file_and_row(rel_dir: str, name: str, chunks: list, index: int = 0):
+    """The jobs of an op output written to `rel_dir/name`, and the statistic.csv row naming it
+    (a side record, statcsv.py), in a round folder `rel_dir`'s grandparent."""
+    in_round = f"{rel_dir.split('/', 3)[-1]}/{name}"
+    cell = tensor_path_cell(in_round)
+    size = sum(len(c) for c in chunks)
+    side = ("0_1", "0", "Op", "Op", "0", "output", str(index), "float", "4", None, cell)
+    return TensorFileJob(rel_dir, name, chunks, size, None, cell), side
+
+
+def rows_job(rel_dir: str, sides: list) -> RowsJob:
+    return RowsJob(rel_dir, "statistic.csv", sides, HEADER, 192 * len(sides))
 
 
 def test_write_that_hits_a_full_disk_leaves_no_partial_file(mount_fs, capfd):
@@ -244,10 +254,10 @@ def test_write_that_hits_a_full_disk_leaves_no_partial_file(mount_fs, capfd):
     writer = Writer(tree, min_free=-(1 << 50))  # trust the disk blindly, as such systems lie
     payload = bytes(3 * 1024 * 1024)
     for i in range(3):
-        writer.put_file("data/0_1/0/0_Op/after", f"outtensor{i}.bin",
-                        [b"header\n", payload], len(payload))
-        writer.put_records("data/0_1/0", "statistic.csv", [tensor_record(
-            f"{tree.root}/data/0_1/0/0_Op/after/outtensor{i}.bin", i)], HEADER)
+        job, side = tensor_file_and_row("data/0_1/0/0_Op/after", f"outtensor{i}.bin",
+                                        [b"header\n", payload], i)
+        writer.put(job)
+        writer.put(rows_job("data/0_1/0", [side]))
     assert writer.close(timeout=30)
     errors = probe_lines(capfd.readouterr().err, "ERROR")
     assert len(errors) == 1 and "disk full while writing" in errors[0]
@@ -266,11 +276,11 @@ def test_write_that_hits_a_full_disk_leaves_no_partial_file(mount_fs, capfd):
 def test_back_pressure_after_a_long_idle_time_is_not_taken_for_a_stuck_disk(tmp_path, capfd):
     tree = SafeTree(str(tmp_path / "atb_dump_data"))
     writer = Writer(tree, queue_bytes=1 << 20, min_free=0, stall_seconds=0.3)
-    writer.put_json("info", "first.json", {})
+    writer.put(JsonJob("info", "first.json", {}))
     assert writer.flush(10)
     time.sleep(0.6)  # idle for longer than the stall timeout
     for i in range(40):  # 8 MB through a 1 MB queue: producers wait for the disk
-        writer.put_file("d", f"{i}.bin", [bytes(200_000)], 200_000)
+        writer.put(TensorFileJob("d", f"{i}.bin", [bytes(200_000)], 200_000))
     assert writer.close(30)
     assert not writer.failed and len(os.listdir(tmp_path / "atb_dump_data" / "d")) == 40
     assert probe_lines(capfd.readouterr().err, "ERROR") == []
@@ -282,12 +292,12 @@ def test_csv_rows_do_not_wait_for_a_busy_writer_to_run_dry(mount_fs):
     fs = mount_fs("tmpfs", "size=256m")
     tree = SafeTree(str(fs.path / "atb_dump_data"))
     writer = Writer(tree, queue_bytes=1 << 30, min_free=0)
-    writer.put_file("r/0", "first.bin", [b"x"], 1)
-    writer.put_records("r", "statistic.csv", [tensor_record(f"{tree.root}/r/0/first.bin")],
-                       HEADER)
+    job, side = tensor_file_and_row("r/0", "first.bin", [b"x"])
+    writer.put(job)
+    writer.put(rows_job("r", [side]))
     payload = bytes(4096)
     for i in range(20000):
-        writer.put_file(f"r/{i % 100}", f"{i}.bin", [payload], len(payload))
+        writer.put(TensorFileJob(f"r/{i % 100}", f"{i}.bin", [payload], len(payload)))
     table = fs.path / "atb_dump_data" / "r" / "statistic.csv"
     while not table.exists():
         assert writer.pending() > 0, "the csv was written only after the queue ran dry"

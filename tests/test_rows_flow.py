@@ -79,20 +79,22 @@ def test_rows_waiting_for_the_writer_are_left_alone_by_the_garbage_collector(tmp
                                                                             monkeypatch):
     """Rows wait for the writer for a round and more: as objects the garbage collector tracks,
     they would get promoted to its oldest generation and make Python collect every object of
-    the user's process (statcells.py). Each side record is a flat tuple of strings and cells,
+    the user's process (stats_cell.py). Each side record is a flat tuple of strings and cells,
     which a collection stops tracking."""
+    from atb_probe.record.jobs import RowsJob
     from atb_probe.record.writer import Writer
-    from atb_probe.statcells import NA, READY
+    from atb_probe.stats_cell import NO_VALUES, READY
     from conftest import tiny_llama
 
     handed = []
-    put_records = Writer.put_records
+    put = Writer.put
 
-    def keep(self, rel_dir, name, sides, header):
-        handed.extend(sides)
-        put_records(self, rel_dir, name, sides, header)
+    def keep(self, job):
+        if type(job) is RowsJob:
+            handed.extend(job.sides)
+        put(self, job)
 
-    monkeypatch.setattr(Writer, "put_records", keep)
+    monkeypatch.setattr(Writer, "put", keep)
     model = tiny_llama()
     ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -101,5 +103,6 @@ def test_rows_waiting_for_the_writer_are_left_alone_by_the_garbage_collector(tmp
     gc.collect()
     assert not any(gc.is_tracked(side) for side in handed)
     cells = [c for side in handed for c in side if type(c) is bytearray]
-    assert cells and all(c[-1] in (READY, NA) for c in cells)  # NA: an empty tensor
-    assert all(type(c) in (str, bytearray) for side in handed for c in side)
+    assert cells and all(c[-1] in (READY, NO_VALUES) for c in cells)  # an empty tensor: none
+    # A statistics dump names no file: its Tensor Path cells are None.
+    assert all(type(c) in (str, bytearray, type(None)) for side in handed for c in side)

@@ -8,15 +8,18 @@ import math
 
 from hypothesis import given, settings, strategies as st
 
-from atb_probe.statcells import fill, new_cell, new_serial
-from atb_probe.statcsv import NA, format_number, format_sides, shape_cell
+from atb_probe.stats_cell import fill, new_cell, new_serial
+from atb_probe.statcsv import (NA, format_number, format_sides, mark_missing, shape_cell,
+                              tensor_path_cell)
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=12) | \
     st.sampled_from(['a,b', '"q"', 'line\nbreak', 'cr\r', '', ' lead', 'N/A'])
 FLOAT = st.floats(allow_nan=True, allow_infinity=True, width=64)
 DTYPE = st.sampled_from(["float", "float16", "bf16", "int64", "bool", "complex64"])
+# The last item is the tensor file's path below the round folder, or None for no file.
 RECORD = st.tuples(*([TEXT] * 7), DTYPE, TEXT, st.lists(st.integers(0, 10 ** 6), max_size=5).map(tuple),
-                   st.none() | st.tuples(FLOAT, FLOAT, FLOAT, FLOAT), TEXT)
+                   st.none() | st.tuples(FLOAT, FLOAT, FLOAT, FLOAT), st.none() | TEXT)
+ROUND = "/dump/data/0_1/3"  # the round folder the rows' tensor paths are below
 
 
 def ready(stats: tuple) -> bytearray:
@@ -30,7 +33,8 @@ def _sides(records) -> list:
     """The records as side tuples, consecutive records with the same first six cells in one."""
     sides = []
     for r in records:
-        row = (r[6], r[7], shape_cell(r[9]), None if r[10] is None else ready(r[10]), r[11])
+        row = (r[6], r[7], shape_cell(r[9]), None if r[10] is None else ready(r[10]),
+               None if r[11] is None else tensor_path_cell(r[11]))
         if sides and sides[-1][:6] == r[:6]:
             sides[-1] += row
         else:
@@ -44,7 +48,7 @@ def _reference(records) -> str:
     for r in records:
         stats = [NA] * 4 if r[10] is None else [format_number(v) for v in r[10]]
         writer.writerow([*r[:6], r[6], r[7], "nd", "x".join(str(d) for d in r[9]), *stats,
-                         r[11]])
+                         _path(r)])
     return buf.getvalue()
 
 
@@ -52,16 +56,31 @@ def _reference(records) -> str:
 @given(st.lists(RECORD, max_size=6))
 def test_records_format_as_csv_writer_does(records):
     records = [r[:8] + ("nd",) + r[9:] for r in records]  # Format is always nd
-    text = format_sides(_sides(records))
-    if not any("\r" in cell for r in records for cell in (*r[:9], r[11])):
+    text = format_sides(_sides(records), ROUND)
+    if not any("\r" in cell for r in records for cell in (*r[:9], _path(r))):
         assert text == _reference(records)  # (csv.writer leaves a lone \r unquoted; we quote)
     parsed = list(csv.reader(io.StringIO(text, newline="")))
     assert len(parsed) == len(records)
     for row, r in zip(parsed, records):
-        assert row[:9] == list(r[:9]) and row[14] == r[11]
+        assert row[:9] == list(r[:9]) and row[14] == _path(r)
         if r[10] is not None:
             for cell, value in zip(row[10:14], r[10]):
                 assert (math.isnan(value) and cell == "nan") or float(cell) == value
+
+
+def _path(record) -> str:
+    return NA if record[11] is None else f"{ROUND}/{record[11]}"
+
+
+def test_a_row_whose_file_was_not_written_says_na():
+    named, missing = tensor_path_cell("0_Linear/after/outtensor0.bin"), \
+        tensor_path_cell("0_Linear/after/outtensor1.bin")
+    mark_missing(missing)
+    side = ("0_1", "3", "Linear", "Linear", "0", "output", "0", "float", "4", None, named,
+            "1", "float", "4", None, missing)
+    lines = format_sides([side], ROUND).splitlines()
+    assert lines[0].endswith(f",{ROUND}/0_Linear/after/outtensor0.bin")
+    assert lines[1].endswith(",N/A")
 
 
 def test_numbers_round_trip_and_name_special_values():

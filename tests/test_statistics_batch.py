@@ -16,9 +16,24 @@ import numpy as np
 import pytest
 import torch
 
-from atb_probe.capture import statistics
-from atb_probe.capture.statistics import compute, dense_flat, device_batch, prepare
-from atb_probe.statcells import READY, new_cell, new_serial, values as stats_of
+from atb_probe.capture import stats_compute as statistics
+from atb_probe.capture.stats_compute import DeviceStatistics, dense_flat, prepare
+from atb_probe.capture.stats_compute import compute as _compute
+from atb_probe.stats_cell import READY, new_cell, new_serial, values as stats_of
+
+
+def compute(tensors, cells) -> None:
+    """The statistics of (CPU) tensors, filled at once."""
+    _compute(tensors, cells, DeviceStatistics())
+
+
+def device_batch(tensors, cells, device: DeviceStatistics | None = None) -> DeviceStatistics:
+    """The device path's batch of `tensors` (here CPU tensors), its cells filled as the writer
+    fills them: by waiting on the landing taken after the batch."""
+    device = device or DeviceStatistics()
+    device.batch(tensors, cells)
+    device.landing().wait()
+    return device
 
 
 def _numpy_one(t: torch.Tensor):
@@ -160,8 +175,7 @@ def test_tensors_reduced_by_segments_get_their_own_statistics(seed, part, monkey
     order = torch.randperm(len(tensors), generator=torch.Generator().manual_seed(seed)).tolist()
     tensors = [tensors[i] for i in order]
     cells = _cells(len(tensors))
-    device_batch(tensors, cells)
-    assert statistics.segment_failure is None
+    assert device_batch(tensors, cells).segment_failure is None
     for t, cell in zip(tensors, cells):
         assert _agree(stats_of(cell), _numpy_one(t)), (t.dtype, tuple(t.shape), t.flatten()[:4])
 
@@ -171,25 +185,29 @@ def test_a_device_without_segment_reduce_goes_tensor_by_tensor(monkeypatch):
         raise NotImplementedError("segment_reduce is not implemented for this device")
 
     monkeypatch.setattr(torch, "segment_reduce", refuse)
-    monkeypatch.setattr(statistics, "no_segments", set())
-    monkeypatch.setattr(statistics, "segment_failure", None)
     tensors = _tensors(0)
     cells = _cells(len(tensors))
-    device_batch(tensors, cells)
-    assert statistics.no_segments == {"cpu"}
-    assert statistics.segment_failure.startswith("NotImplementedError: segment_reduce")
+    device = device_batch(tensors, cells)
+    assert device.no_segments == {"cpu"}
+    assert device.segment_failure.startswith("NotImplementedError: segment_reduce")
     for t, cell in zip(tensors, cells):
         assert _same(stats_of(cell), _torch_one(t)), (t.dtype, tuple(t.shape))
 
 
-def test_a_device_batch_is_read_once_whatever_thread_asks():
+def test_a_device_batch_is_filled_once_whatever_thread_waits():
     import threading
     tensors = [torch.randn(10) for _ in range(20)]
     cells = _cells(len(tensors))
-    device_batch([prepare(t) for t in tensors], cells)
+    device = DeviceStatistics()
+    device.batch([prepare(t) for t in tensors], cells)
+    landing = device.landing()
     got = []
-    threads = [threading.Thread(target=lambda: got.append([stats_of(c) for c in cells]))
-               for _ in range(4)]
+
+    def wait_and_read():
+        landing.wait()
+        got.append([stats_of(c) for c in cells])
+
+    threads = [threading.Thread(target=wait_and_read) for _ in range(4)]
     for th in threads:
         th.start()
     for th in threads:
@@ -203,11 +221,11 @@ def test_the_device_path_through_the_whole_probe_gives_the_golden_statistics(tmp
     filled when the writer formats the rows) on the exact-arithmetic model of the golden dump:
     max, min and mean as the golden csv says; the norm, summed in float64 on that path,
     to float32 precision."""
-    from atb_probe.capture import statscache
+    from atb_probe.capture import stats_reuse
     from test_dump_golden import CONFIGS, _golden, make_dump
 
-    monkeypatch.setattr(statscache, "compute",
-                        lambda tensors, cells: device_batch([prepare(t) for t in tensors], cells))
+    monkeypatch.setattr(stats_reuse, "compute", lambda tensors, cells, device: device.batch(
+        [prepare(t) for t in tensors], cells))
     got = make_dump(tmp_path, CONFIGS["stat-child"])["csv"]
     want = _golden()["stat-child"]["csv"]
     assert sorted(got) == sorted(want)
@@ -248,20 +266,21 @@ def test_statistics_leave_the_users_numpy_error_state_alone(values):
 
 
 def test_device_batches_whose_rows_are_never_formatted_do_not_pile_up(monkeypatch):
-    """A device batch waits in `statcells.device_batches` until the writer formats one of its
-    rows. When rows are never formatted (the writer stopped), batches whose copy has landed
-    are finished once too many wait, so the registry stays bounded and their cells are filled."""
-    from atb_probe.capture import statistics
-    from atb_probe.statcells import device_batches
-
+    """A device batch waits in its `DeviceStatistics` until the writer waits on a landing
+    that covers it. When rows are never formatted (the writer stopped), batches whose copy has
+    landed are finished once too many wait, so what waits stays bounded and their cells are
+    filled."""
     monkeypatch.setattr(statistics, "MAX_DEVICE_BATCHES", 4)
-    device_batches.clear()
+    device = DeviceStatistics()
     cells = []
     for i in range(20):
         batch = _cells(2)
-        device_batch([prepare(torch.randn(8)), prepare(torch.randn(3))], batch)
+        device.batch([prepare(torch.randn(8)), prepare(torch.randn(3))], batch)
         cells += batch
-        assert len(device_batches) <= 4
-    assert all(c[-1] == READY for c in cells[:-8])  # finished while the registry was full
-    assert all(stats_of(c) is not None for c in cells)  # and the rest on reading
-    assert not device_batches
+        assert device.pending() <= 4
+    assert all(c[-1] == READY for c in cells[:-8])  # finished while too many waited
+    landing = device.landing()
+    if landing is not None:
+        landing.wait()
+    assert all(stats_of(c) is not None for c in cells)  # and the rest by the landing
+    assert not device.pending()

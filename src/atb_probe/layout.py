@@ -29,6 +29,7 @@ anything that does.
 """
 from __future__ import annotations
 
+import enum
 import os
 import re
 
@@ -46,6 +47,20 @@ _SIDE_DIR = {INPUT: "before", OUTPUT: "after"}
 _FILE_PREFIX = {INPUT: "intensor", OUTPUT: "outtensor"}
 _IO_OF_PREFIX = {"intensor": INPUT, "outtensor": OUTPUT}
 SIDE_DIRS = tuple(_SIDE_DIR.values())        # ("before", "after")
+
+
+class Side(str, enum.Enum):
+    """The side of an op a tensor is on: the two values of statistic.csv's Input/Output column
+    (`INPUT`, `OUTPUT` above), which the functions below take as `io`."""
+
+    INPUT = "input"
+    OUTPUT = "output"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_SIDES = {side.value: side for side in Side}
 
 _DEVPID = re.compile(r"^(\d+)_(\d+)$")
 _TENSOR_FILE = re.compile(r"^(intensor|outtensor)(.+)\.bin$")
@@ -79,7 +94,12 @@ def process_dir(devpid: str) -> str:
 
 def round_dir(devpid: str, index: int) -> str:
     """`data/<dev>_<pid>/<round>`: one round of one process."""
-    return f"{DATA_DIR}/{devpid}/{index}"
+    return f"{DATA_DIR}/{round_in_data(devpid, index)}"
+
+
+def round_in_data(devpid: str, index: int) -> str:
+    """`<dev>_<pid>/<round>`: a round's folder below `data/`, the name the tools give a round."""
+    return f"{devpid}/{index}"
 
 
 def round_csv(round_rel: str) -> str:
@@ -169,6 +189,11 @@ def parse_op_folder(entry: str) -> tuple[str, str] | None:
     return (own_id, name) if sep and own_id.isdigit() else None
 
 
+def op_dir(round_rel: str, op_rel: str) -> str:
+    """An op's folder from the dump root: its round's folder, then the op's below it."""
+    return f"{round_rel}/{op_rel}"
+
+
 def op_path(op_id: str, op_name: str) -> str:
     """The op's folder below the round, from its full ID and full name:
     (`2_1`, `LlamaDecoderLayer/LlamaAttention`) -> `2_LlamaDecoderLayer/1_LlamaAttention`."""
@@ -180,6 +205,11 @@ def op_path(op_id: str, op_name: str) -> str:
 def side_dir(io: str) -> str:
     """The folder of an op's inputs (`before`) or outputs (`after`); `io` is input | output."""
     return _SIDE_DIR[io]
+
+
+def tensor_dir(op_rel: str, io: str) -> str:
+    """The folder of an op's input (`before`) or output (`after`) files below `op_rel`."""
+    return f"{op_rel}/{_SIDE_DIR[io]}"
 
 
 def tensor_name(io: str, index: str | int) -> str:
@@ -197,6 +227,11 @@ def tensor_rel(op_rel: str, io: str, index: str | int) -> str:
     return f"{op_rel}/{_SIDE_DIR[io]}/{_FILE_PREFIX[io]}{index}.bin"
 
 
+def parse_side(cell: str) -> Side | None:
+    """The side an Input/Output cell names, None for any other text."""
+    return _SIDES.get(cell)
+
+
 def parse_tensor_file(name: str) -> tuple[str, str] | None:
     """(io, index) of a tensor file name (`intensor0_x.bin` -> ("input", "0_x")), else None."""
     m = _TENSOR_FILE.match(name)
@@ -205,17 +240,22 @@ def parse_tensor_file(name: str) -> tuple[str, str] | None:
 
 # -- structure files and status -----------------------------------------------------------------
 
-def info_dir(kind: str, devpid: str) -> str:
-    """`info/<kind>/<dev>_<pid>`; kind is layer | model."""
+def info_kind_dir(kind: str) -> str:
+    """`info/<kind>`: the structure files of one kind, every process's; kind is layer | model."""
     if kind not in INFO_KINDS:
         raise ValueError(f"info kind {kind!r}: expected one of {INFO_KINDS}")
-    return f"{INFO_DIR}/{kind}/{devpid}"
+    return f"{INFO_DIR}/{kind}"
+
+
+def info_dir(kind: str, devpid: str) -> str:
+    """`info/<kind>/<dev>_<pid>`; kind is layer | model."""
+    return f"{info_kind_dir(kind)}/{devpid}"
 
 
 def layer_info_dir(devpid: str, model: str | None = None) -> str:
     """The layer structure files of a process; those of every model but the first seen go to
     a `<Model>` folder below it (SPEC §5)."""
-    base = f"{INFO_DIR}/layer/{devpid}"
+    base = info_dir("layer", devpid)
     return f"{base}/{model}" if model else base
 
 
@@ -226,12 +266,18 @@ def layer_info_file(name: str, op_id: str) -> str:
 
 def model_info_dir(devpid: str) -> str:
     """`info/model/<dev>_<pid>`: the model structure files of a process."""
-    return f"{INFO_DIR}/model/{devpid}"
+    return info_dir("model", devpid)
 
 
 def model_info_file(model: str, phase: str) -> str:
     """`<Model>_<Phase>.json`: a model's layer list for one phase."""
     return f"{model}_{phase}.json"
+
+
+def parse_info_file(name: str) -> str | None:
+    """A structure file's name without `.json` (`LlamaForCausalLM_Prefill`,
+    `LlamaDecoderLayer_2`), None for any other file."""
+    return name[:-len(".json")] if name.endswith(".json") else None
 
 
 def status_file(devpid: str) -> str:

@@ -350,7 +350,7 @@ class Probe:
         self.devpid = layout.devpid(self.device if self.device is not None else local_rank(),
                                     self.pid)
         self.writer.reset_after_fork()
-        self.tree = self.writer.tree = SafeTree(self.tree.root)
+        self.tree = self.writer.tree
         self.rounds_dumped = 0
         self.rounds_empty = 0
         self.rounds_started = 0

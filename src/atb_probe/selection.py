@@ -14,6 +14,7 @@ the same config always yields the same IDs, whatever else it selects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .config import DumpConfig
 
@@ -26,6 +27,18 @@ class LayerPlan:
 
 
 SKIP_LAYER = LayerPlan(False, False, False)
+
+
+class ChildChoice(NamedTuple):
+    """What the selection wants of an op below a layer-level op."""
+
+    dump: bool            # write the op's own tensors
+    dump_children: bool   # everything below it is written
+
+
+_EVERYTHING = ChildChoice(True, True)
+_ITSELF = ChildChoice(True, False)
+_NOTHING = ChildChoice(False, False)
 
 
 class Selection:
@@ -55,14 +68,13 @@ class Selection:
         return LayerPlan(dump, dump_children, track)
 
     def child_selected(self, op_id: str, full_name: str, own_name: str,
-                       ancestor_dumps_children: bool) -> tuple[bool, bool]:
-        """(write this op, write everything below it) for an op below a layer-level op."""
+                       ancestor_dumps_children: bool) -> ChildChoice:
+        """For an op below a layer-level op: is it written, and everything below it?"""
         if ancestor_dumps_children:
-            return True, True
-        if self._by_default:
-            return False, False
-        dump = self.op_matches(op_id, full_name, own_name)
-        return dump, dump and self.config.save_child
+            return _EVERYTHING
+        if self._by_default or not self.op_matches(op_id, full_name, own_name):
+            return _NOTHING
+        return _EVERYTHING if self.config.save_child else _ITSELF
 
     def op_matches(self, op_id: str, full_name: str, own_name: str) -> bool:
         """Whether `ids` or `op_name` names this op itself (inheritance is the caller's)."""

@@ -7,9 +7,10 @@ leaves only complete lines behind.
 """
 from __future__ import annotations
 
-from typing import Iterable
+import re
+from typing import Iterable, Mapping, NamedTuple
 
-from .statcells import values
+from .stats_cell import values
 
 FILE_NAME = "statistic.csv"  # one per round directory
 COLUMNS = ("Device and PID", "Execution Count", "Op Name", "Op Type", "Op Id", "Input/Output",
@@ -44,11 +45,28 @@ def _cell(text: str) -> str:
 # writer as one flat tuple of strings and cells, a side record: the `HEAD_CELLS` cells every row
 # of the side shares (Device and PID, Execution Count, Op Name, Op Type, Op Id, Input/Output),
 # then `ROW_CELLS` per row: Index, Dtype, Shape (as written, "AxB"), its statistics cell
-# (statcells.py) or None, Tensor Path.
+# (stats_cell.py) or None, its Tensor Path cell (`tensor_path_cell`) or None (no file: N/A).
 # Flat tuples, not record classes: Python's garbage collector stops tracking an exact tuple of
 # strings and bytearrays at its first collection (nested tuples take one collection per level),
-# and many rows wait for the writer at once (see statcells.py).
+# and many rows wait for the writer at once (see stats_cell.py).
 HEAD_CELLS, ROW_CELLS = 6, 5
+
+# A Tensor Path cell: a bytearray (untracked by the garbage collector, like the statistics
+# cells) of one state byte and the file's path below the round folder in UTF-8. The writer
+# marks it missing when it does not write the file, and the row then says N/A.
+_NAMED, _MISSING = 0, 1
+
+
+def tensor_path_cell(in_round: str) -> bytearray:
+    """The Tensor Path cell of a row whose file is `in_round` (relative to its round folder)."""
+    cell = bytearray(in_round.encode("utf-8", "surrogateescape"))
+    cell.insert(0, _NAMED)
+    return cell
+
+
+def mark_missing(cell: bytearray) -> None:
+    """The file of this Tensor Path cell was not written: its row says N/A."""
+    cell[0] = _MISSING
 
 
 def side_rows(side: tuple) -> int:
@@ -56,12 +74,14 @@ def side_rows(side: tuple) -> int:
     return (len(side) - HEAD_CELLS) // ROW_CELLS
 
 
-def format_sides(sides: Iterable[tuple]) -> str:
-    """CSV text of the rows of side records (see above): the same text `csv.writer` makes of
-    the formatted cells, made faster: this runs for every row of a dump (on the writer thread,
+def format_sides(sides: Iterable[tuple], round_path: str = "") -> str:
+    """CSV text of the rows of side records (see above), whose Tensor Paths are below
+    `round_path` (the round folder's absolute path): the same text `csv.writer` makes of the
+    formatted cells, made faster: this runs for every row of a dump (on the writer thread,
     off the model's path, but holding the GIL the model needs)."""
     lines = []
     add = lines.append
+    prefix = round_path + "/"
     # Statistics are shared between the rows of the same values (a view, the next kernel's
     # input): each is formatted once. Keyed by id: `sides` keeps them all alive.
     numbers: dict = {id(None): _NA_STATS}
@@ -70,7 +90,7 @@ def format_sides(sides: Iterable[tuple]) -> str:
         if head.count(",") != HEAD_CELLS - 1 or not _QUOTED.isdisjoint(head):
             head = ",".join(map(_cell, side[:HEAD_CELLS]))  # a cell needs quotes
         cells = iter(side[HEAD_CELLS:])
-        for index, dtype, shape, stat, path in zip(cells, cells, cells, cells, cells):
+        for index, dtype, shape, stat, file in zip(cells, cells, cells, cells, cells):
             stats = numbers.get(id(stat))
             if stats is None:
                 st = values(stat)
@@ -78,8 +98,10 @@ def format_sides(sides: Iterable[tuple]) -> str:
                 stats = numbers[id(stat)] = _NA_STATS if st is None else "%r,%r,%r,%r" % st
             if not index.isdigit():
                 index = _cell(index)
-            if path is not NA:
-                path = _cell(path)
+            if file is None or file[0] == _MISSING:
+                path = NA
+            else:
+                path = _cell(prefix + file[1:].decode("utf-8", "surrogateescape"))
             add(f"{head},{index},{dtype},nd,{shape},{stats},{path}\n")
     return "".join(lines)
 
@@ -95,3 +117,49 @@ def shape_cell(dims) -> str:
             _SHAPES.clear()
         text = _SHAPES[dims] = "x".join(map(str, dims))
     return text
+
+
+# -- cells read back (the tools) ----------------------------------------------------------------
+
+_SHAPE_CELL = re.compile(r"\d+(?:x\d+)*", re.ASCII)
+
+
+def parse_shape(cell: str) -> tuple[int, ...]:
+    """The dimensions of a Shape cell as `shape_cell` writes it ("1x4x32" -> (1, 4, 32), "" -> ()
+    for a scalar); ValueError for other text (the tools write `?` for a header they could not
+    read)."""
+    if not cell:
+        return ()
+    if _SHAPE_CELL.fullmatch(cell) is None:
+        raise ValueError(f"not a Shape cell: {cell!r}")
+    return tuple(map(int, cell.split("x")))
+
+
+def is_empty_shape(cell: str) -> bool:
+    """Whether a Shape cell is that of a tensor without elements (a dimension of 0); False for
+    text that is no Shape cell."""
+    try:
+        return 0 in parse_shape(cell)
+    except ValueError:
+        return False
+
+
+STAT_COLUMNS = ("Max", "Min", "Mean", "Norm")
+
+
+class Stats(NamedTuple):
+    """A tensor's statistics: the Max, Min, Mean and Norm (L2) cells of its row."""
+
+    max: float
+    min: float
+    mean: float
+    norm: float
+
+
+def parse_stats(row: Mapping[str, str]) -> Stats | None:
+    """The statistics of a row read by column title; None when a cell is N/A (task=tensor, an
+    empty tensor) or missing."""
+    try:
+        return Stats(*(float(row[column]) for column in STAT_COLUMNS))
+    except (KeyError, ValueError):
+        return None

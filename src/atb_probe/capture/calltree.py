@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .. import layout, log
-from ..naming import ALLOCATION_OPS, sanitize
+from ..naming import sanitize
 from ..rounds import RoundSource, RoundStart
 from ..selection import LayerPlan, SKIP_LAYER
 from .arguments import bind_args, forward_params
@@ -103,25 +103,36 @@ def _uncompiled(module: nn.Module) -> nn.Module:
 class Below(enum.Enum):
     """What happens to the module calls made inside an op (a frame on the op stack)."""
 
-    PASS = "pass"            # straight to the original __call__: nothing below is seen
+    UNSEEN = "unseen"        # straight to the original __call__: nothing below is seen
     CONTAINER = "container"  # the container rule: containers, or layer-level ops (SPEC §1)
     TRACK = "track"          # children: IDs handed out, kernels captured
 
 
-_PASS, _CONTAINER, _TRACK = Below.PASS, Below.CONTAINER, Below.TRACK
+_UNSEEN, _CONTAINER, _TRACK = Below.UNSEEN, Below.CONTAINER, Below.TRACK
 
 
 class Frame:
+    """An entry of a thread's op stack that is not an op: a root or a container, or a call
+    whose inside is not seen. `below` says what happens to the calls made inside it."""
+
+    __slots__ = ("below",)
+
+    def __init__(self, below: Below):
+        self.below = below
+
+
+class OpFrame(Frame):
     """One op execution on a thread's op stack: where it is, what the selection wants of it
     (`dump` its own tensors, `dump_children` everything below), what happens `below` it, and
-    what it has recorded so far."""
+    the recorder's records it carries (`layer`: the layer-level op execution's, `record`: its
+    own; None when nothing of it is recorded)."""
 
     __slots__ = ("op_id", "name", "full_name", "rel", "children", "dump", "dump_children",
-                 "below", "nodes", "layer", "inputs", "outputs", "param", "writes_args",
-                 "inputs_seen", "path", "shards")
+                 "collect", "layer", "path", "record")
 
-    def __init__(self, op_id="", name="", full_name="", rel="", dump=False, dump_children=False,
-                 below=_PASS, layer=None, path=None):
+    def __init__(self, op_id: str, name: str, full_name: str, rel: str, dump: bool,
+                 dump_children: bool, below: Below, layer, collect: bool, path=None):
+        self.below = below
         self.op_id = op_id
         self.name = name
         self.full_name = full_name
@@ -129,67 +140,40 @@ class Frame:
         self.children = 0             # child IDs handed out so far
         self.dump = dump
         self.dump_children = dump_children
-        self.below = below
-        self.nodes = None             # structure of the children, when collected
-        self.layer = layer            # the enclosing layer-level op execution
-        self.inputs = 0               # number of input tensors (for structure files)
-        self.outputs = 0
-        self.param = None             # op_param.json content, once known
-        self.writes_args = False      # kernels: writes to its arguments (so their values change)
-        self.inputs_seen = None       # kernels: what the inputs' statistics leave for the outputs
+        self.collect = collect        # the layer-level op execution's structure is collected
+        self.layer = layer            # the recorder's record of that execution
         self.path = path              # modules: the attribute path from the root (modulePath)
-        self.shards = None            # DTensor layouts by file name, for op_param.json
+        self.record = None
 
 
-class Round:
-    """One round: a root call, or every root call of one engine step (`Engine.begin_step`);
-    its number, the configuration it runs under, and its progress."""
+class RoundRun:
+    """One round as it runs: a root call, or every root call of one engine step
+    (`Engine.begin_step`); its number, the selection it runs under, its model and phase, and
+    its progress. `record`: the recorder's record of it, when it is dumped."""
 
-    __slots__ = ("index", "selection", "config", "devpid", "rel", "dumping", "layer_count",
-                 "layer_nodes", "layer_names", "phase", "root_module", "model", "selected",
-                 "roots", "wrote", "main")
+    __slots__ = ("index", "selection", "devpid", "dumping", "layer_count", "layer_names",
+                 "phase", "root_module", "model", "selected", "roots", "main", "record")
 
     def __init__(self, start: RoundStart, model: Model):
         self.index = start.index
         self.selection = start.selection
-        self.config = start.selection.config if start.selection is not None else None
         self.devpid = start.devpid
-        self.rel = layout.round_dir(start.devpid, start.index)  # the round's folder
         self.dumping = start.dumping
         self.layer_count = 0
-        self.layer_nodes = []
         self.layer_names = []      # the distinct layer-level op names, in order (for warnings)
         self.phase = "Forward"
         self.root_module = None
         self.model = model
         self.selected = 0          # ops the selection chose in this round
         self.roots = 0             # root calls made in it so far (more than one in a step)
-        self.wrote = False         # whether any tensor or statistic.csv row was written
         self.main = False          # `model` holds block lists: the step's main model
-
-
-class LayerRun:
-    """Per layer-level op execution: what was written (for filter_level 1), its statistic.csv
-    rows (handed to the writer in one piece when the layer ends), its pending statistics and
-    structure."""
-
-    __slots__ = ("written", "collect", "rows", "deferred", "pending", "uninit")
-
-    def __init__(self, collect: bool, deferred: bool = False):
-        self.written = {}     # same_bytes_key -> (weakref to tensor, path in round)
-        self.collect = collect
-        self.rows = []
-        self.deferred = deferred  # kernels seen: statistics may wait for the end (recorder)
-        self.pending = None       # statscache.Queue, once something is pending
-        # Storage addresses of allocation kernels' outputs (`torch.empty`) that no kernel has
-        # written since: those outputs and the views of them are uninitialised (SPEC §8).
-        self.uninit = None
+        self.record = None
 
 
 class _ThreadState(threading.local):
     def __init__(self):
         self.stack: list[Frame] = []
-        self.round: Round | None = None
+        self.round: RoundRun | None = None
         self.step = None  # the engine step this thread is in (`Step`), or None
 
 
@@ -203,10 +187,10 @@ class Step:
         self.depth = 1             # nested steps join the outer one
         self.phase = phase         # the engine's word on the phase, or None: the root's cache
         self.passive = passive     # begun while the probe slept: not a round, even if it wakes
-        self.round: Round | None = None
+        self.round: RoundRun | None = None
 
 
-_PASS_FRAME = Frame()
+_UNSEEN_FRAME = Frame(_UNSEEN)
 
 
 class Engine:
@@ -245,7 +229,7 @@ class Engine:
                 stack = tls.stack
                 if stack:
                     top = stack[-1]
-                    if top.below is _PASS:
+                    if top.below is _UNSEEN:
                         return original(module, *args, **kwargs)
                     return engine.child_call(top, module, args, kwargs)
                 if engine._wrapper is not __call__:
@@ -374,15 +358,15 @@ class Engine:
                 rnd = self.begin_round(module, args, kwargs)
                 owned = True
             if rnd is None:
-                frame = _PASS_FRAME
+                frame = _UNSEEN_FRAME
             else:
-                frame = Frame(below=_CONTAINER if rnd.dumping else _PASS)
+                frame = Frame(_CONTAINER if rnd.dumping else _UNSEEN)
                 rnd.roots += 1
                 if rnd.dumping:
                     as_op = self._root_is_op(rnd, module)
         except Exception as exc:
             self.source.report(exc)
-            frame = _PASS_FRAME
+            frame = _UNSEEN_FRAME
         stack.append(frame)
         try:
             if rnd is not None and rnd.dumping and _FORCE_EAGER is not None and \
@@ -404,7 +388,7 @@ class Engine:
         patched."""
         return self.vllm.attached
 
-    def _root_is_op(self, rnd: Round, module) -> bool:
+    def _root_is_op(self, rnd: RoundRun, module) -> bool:
         """Whether a root is a layer-level op itself rather than a container (SPEC §1, §8): a
         root with no submodule (an `nn.Linear` called as the model), or a later root of an
         engine step that holds no block list (vLLM's logits processor and sampler; a draft
@@ -413,7 +397,7 @@ class Engine:
             return True
         return rnd.roots > 1 and not self.info(module).holds_blocks
 
-    def _main_root(self, rnd: Round, module, args, kwargs, phase: str | None) -> None:
+    def _main_root(self, rnd: RoundRun, module, args, kwargs, phase: str | None) -> None:
         """A step's round belongs to its main model: the first of its roots that holds a block
         list (a serving loop may call an embedding on its own first)."""
         if not self.info(_uncompiled(module)).holds_blocks:
@@ -423,16 +407,17 @@ class Engine:
         rnd.root_module = module
         rnd.phase = phase or _phase(self.info(_uncompiled(module)).params, args, kwargs)
 
-    def begin_round(self, module, args, kwargs, phase: str | None = None) -> Round:
+    def begin_round(self, module, args, kwargs, phase: str | None = None) -> RoundRun:
         start = self.source.start_round(module, args, kwargs)
         dumping = start.dumping
         with self._lock:
             self.active_rounds += 1
             self.dumped_rounds_open += dumping
         model = self.model(module)
-        rnd = Round(start, model)
+        rnd = RoundRun(start, model)
         self.tls.round = rnd
         if dumping:
+            rnd.record = self.recorder.begin_round(start.devpid, start.index)
             rnd.root_module = module
             info = self.info(_uncompiled(module))
             rnd.main = info.holds_blocks
@@ -499,12 +484,11 @@ class Engine:
             log.info("compiled code (torch.compile) runs eagerly while a round is dumped, so "
                      "the ops inside it are seen; other rounds run it compiled")
 
-    def end_round(self, rnd: Round) -> None:
+    def end_round(self, rnd: RoundRun) -> None:
         self.tls.round = None
         try:
             if rnd.dumping:
-                self.recorder.end_round(rnd)
-                self.source.round_dumped(rnd.wrote)
+                self.source.round_dumped(self.recorder.end_round(rnd))
                 if not rnd.selected:
                     self._warn_unmatched(rnd)
         except Exception as exc:
@@ -517,9 +501,9 @@ class Engine:
                 if self._sleep_requested and not self.active_rounds:
                     self._restore()
 
-    def _warn_unmatched(self, rnd: Round) -> None:
+    def _warn_unmatched(self, rnd: RoundRun) -> None:
         """SPEC §7: `ids`/`op_name` chose no op of a selected round; once per configuration."""
-        cfg = rnd.config
+        cfg = rnd.selection.config
         if not (cfg.ids or cfg.op_name) or cfg in self._unmatched_warned:
             return
         self._unmatched_warned.add(cfg)
@@ -553,8 +537,8 @@ class Engine:
         try:
             out = original(module, *args, **kwargs)
         except BaseException:
-            if parent.below is _CONTAINER and frame.layer is not None:
-                self.recorder.flush_rows(rnd, frame.layer)  # what ran is still recorded
+            if parent.below is _CONTAINER and type(frame) is OpFrame:
+                self.recorder.end_layer_rows(rnd, frame.layer)  # what ran is still recorded
             raise
         finally:
             if mode is not None:
@@ -566,30 +550,31 @@ class Engine:
             self.source.report(exc)
         return out
 
-    def enter(self, rnd: Round, parent: Frame, module, args, kwargs):
+    def enter(self, rnd: RoundRun, parent: Frame, module, args, kwargs):
         info = self.info(module)
         if parent.below is _CONTAINER:
             if info.is_container:
-                return Frame(below=_CONTAINER), None
+                return Frame(_CONTAINER), None
             return self.enter_layer(rnd, module, info, args, kwargs)
         index = parent.children
         parent.children += 1
         op_id = f"{parent.op_id}_{index}"
         full_name = f"{parent.full_name}/{info.name}"
-        dump, dump_children = rnd.selection.child_selected(op_id, full_name, info.name,
-                                                           parent.dump_children)
-        frame = Frame(op_id, info.name, full_name,
-                      layout.child_op_dir(parent.rel, index, info.name), dump, dump_children,
-                      _TRACK, parent.layer)
-        if dump:
+        choice = rnd.selection.child_selected(op_id, full_name, info.name,
+                                              parent.dump_children)
+        frame = OpFrame(op_id, info.name, full_name,
+                        layout.child_op_dir(parent.rel, index, info.name), choice.dump,
+                        choice.dump_children, _TRACK, parent.layer, parent.collect)
+        if choice.dump:
             rnd.selected += 1
-        if frame.dump or frame.layer.collect:  # else nothing to record: skip the context
+        if frame.dump or frame.collect:  # else nothing to record: skip the context
             frame.path = rnd.model.paths.get(module)
             with torch._C._DisableTorchDispatch():
-                self.recorder.module_inputs(rnd, frame, module, info, args, kwargs, named=True)
+                frame.record = self.recorder.module_inputs(rnd, frame, module, info.params,
+                                                           args, kwargs, named=True)
         return frame, None
 
-    def enter_layer(self, rnd: Round, module, info: ModuleInfo, args, kwargs):
+    def enter_layer(self, rnd: RoundRun, module, info: ModuleInfo, args, kwargs):
         index = rnd.layer_count
         rnd.layer_count += 1
         if info.name not in rnd.layer_names:
@@ -599,26 +584,26 @@ class Engine:
             SKIP_LAYER
         if plan.dump:
             rnd.selected += 1
-        layer = LayerRun(self.recorder.wants_structure(rnd, info.name, op_id, plan.track_children),
-                         deferred=plan.track_children)
-        frame = Frame(op_id, info.name, info.name, layout.op_folder(op_id, info.name), plan.dump,
-                      plan.dump_children, _TRACK if plan.track_children else _PASS, layer,
-                      rnd.model.paths.get(module))
-        self.recorder.module_inputs(rnd, frame, module, info, args, kwargs, named=False)
+        layer = self.recorder.begin_layer(rnd, info.name, op_id, plan.track_children)
+        frame = OpFrame(op_id, info.name, info.name, layout.op_folder(op_id, info.name),
+                        plan.dump, plan.dump_children, _TRACK if plan.track_children else _UNSEEN,
+                        layer, layer.collect, rnd.model.paths.get(module))
+        frame.record = self.recorder.module_inputs(rnd, frame, module, info.params, args, kwargs,
+                                                   named=False)
         mode = KernelCapture(self) if plan.track_children else None
         return frame, mode
 
-    def leave(self, rnd: Round, parent: Frame, frame: Frame, out) -> None:
-        if frame.below is _CONTAINER and not frame.op_id:
+    def leave(self, rnd: RoundRun, parent: Frame, frame: Frame, out) -> None:
+        if type(frame) is not OpFrame:
             return
         is_layer = parent.below is _CONTAINER
         try:
-            if frame.dump or (frame.layer is not None and frame.layer.collect):
+            if frame.record is not None:
                 with torch._C._DisableTorchDispatch():
                     self.recorder.module_outputs(rnd, frame, out, named=not is_layer)
         finally:
             if is_layer:
-                self.recorder.flush_rows(rnd, frame.layer)
+                self.recorder.end_layer_rows(rnd, frame.layer)
         if is_layer:
             self.recorder.layer_done(rnd, frame)
         else:
@@ -633,40 +618,43 @@ class Engine:
             return func(*args, **kwargs)
         rnd = self.tls.round
         frame = None
-        op_name = ""
+        kernel = None
         try:
-            op_name, kname, params, written = kernel_info(func)
+            kernel = kernel_info(func)
             index = top.children
             top.children += 1
             op_id = f"{top.op_id}_{index}"
-            full_name = f"{top.full_name}/{kname}"
-            dump, _ = rnd.selection.child_selected(op_id, full_name, kname, top.dump_children)
+            full_name = f"{top.full_name}/{kernel.name}"
+            dump = rnd.selection.child_selected(op_id, full_name, kernel.name,
+                                                top.dump_children).dump
             if dump:
                 rnd.selected += 1
             # Neither written nor described in a structure file (and writing to nothing that
             # filter_level 1 may refer to): the kernel only takes its ID.
-            record = dump or top.layer.collect
+            record = dump or top.collect
+            written = kernel.written
             if record or written:
-                frame = Frame(op_id, kname, full_name, layout.child_op_dir(top.rel, index, kname),
-                              dump, False, _PASS, top.layer)
-                frame.writes_args = bool(written)
-                pairs = bind_args(params, args, kwargs)
+                frame = OpFrame(op_id, kernel.name, full_name,
+                                layout.child_op_dir(top.rel, index, kernel.name), dump, False,
+                                _UNSEEN, top.layer, top.collect)
+                pairs = bind_args(kernel.params, args, kwargs)
                 if record:
-                    self.recorder.kernel_inputs(rnd, frame, op_name, pairs)
+                    frame.record = self.recorder.kernel_inputs(rnd, frame, kernel.op_name, pairs,
+                                                               bool(written))
                 if written:
                     self.recorder.forget_written(frame.layer, pairs, written)
         except Exception as exc:
             self.source.report(exc)
             frame = None
         out = func(*args, **kwargs)
-        if op_name in ALLOCATION_OPS:
-            _note_uninitialized(top.layer, out)
+        if kernel is not None and kernel.allocates:
+            self.recorder.allocated(top.layer, out)
         if frame is not None:
             try:
-                if dump and op_name.startswith(_COLLECTIVES):
-                    _wait_for_collective(op_name, out)
+                if dump and kernel.collective:
+                    _wait_for_collective(kernel.op_name, out)
                 if record:
-                    self.recorder.kernel_outputs(rnd, frame, op_name, out,
+                    self.recorder.kernel_outputs(rnd, frame, kernel.op_name, out,
                                                  _written_values(pairs, written, out))
                     self.recorder.child_done(top, frame)
             except Exception as exc:
@@ -690,17 +678,6 @@ def _dynamo_compiled() -> bool:
         return bool(counters and counters["stats"]["unique_graphs"])
     except Exception:
         return False
-
-
-_COLLECTIVES = ("c10d.", "_c10d_functional.")
-
-
-def _note_uninitialized(layer: LayerRun, out) -> None:
-    """An allocation kernel's output: its memory holds nothing yet (see `LayerRun.uninit`)."""
-    if isinstance(out, torch.Tensor) and out.layout is torch.strided:
-        if layer.uninit is None:
-            layer.uninit = set()
-        layer.uninit.add(out.untyped_storage().data_ptr())
 
 
 def _written_values(pairs, written: tuple, out) -> list:

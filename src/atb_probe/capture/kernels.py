@@ -7,11 +7,12 @@ stack, so other threads and the rest of the model never pay for it.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..naming import kernel_name
+from ..naming import ALLOCATION_OPS, kernel_name
 
 
 class KernelCapture(TorchDispatchMode):
@@ -34,10 +35,23 @@ class KernelCapture(TorchDispatchMode):
         return self.engine.kernel_call(func, args, kwargs or {})
 
 
+class Kernel(NamedTuple):
+    """What the probe needs to know about one ATen operator, computed once."""
+
+    op_name: str                # `aten.mm.default`
+    name: str                   # `<CamelCase>Kernel`: its name as an op (`MmKernel`)
+    params: tuple               # parameters for `arguments.bind_args`
+    written: tuple[str, ...]    # names of the arguments it writes in place
+    allocates: bool             # an allocation kernel: its output holds nothing yet
+    collective: bool            # a collective: its outputs are complete only once it is
+
+
+_COLLECTIVES = ("c10d.", "_c10d_functional.")
+
+
 @lru_cache(maxsize=4096)
-def kernel_info(func) -> tuple[str, str, tuple, tuple[str, ...]]:
-    """(op name, `<CamelCase>Kernel` name, parameters for `arguments.bind_args`, names of
-    arguments written in place)."""
+def kernel_info(func) -> Kernel:
+    """The `Kernel` record of an ATen operator."""
     op_name = str(func)
     try:
         arguments = func._schema.arguments
@@ -49,4 +63,5 @@ def kernel_info(func) -> tuple[str, str, tuple, tuple[str, ...]]:
             written = names
     except Exception:
         names, written = (), ()
-    return op_name, kernel_name(op_name), (names, None, names), written
+    return Kernel(op_name, kernel_name(op_name), (names, None, names), written,
+                  op_name in ALLOCATION_OPS, op_name.startswith(_COLLECTIVES))

@@ -50,6 +50,14 @@ class SafeTree:
         self.stuck = False    # set when the disk stopped answering: fail fast, never block
         self.progress = None  # called with the byte count after each chunk written
 
+    def watch_progress(self, callback) -> None:
+        """Call `callback(nbytes)` after each chunk written (the writer's stall detection)."""
+        self.progress = callback
+
+    def give_up(self) -> None:
+        """The disk stopped answering: later writes fail at once instead of blocking."""
+        self.stuck = True
+
     def path(self, rel: str) -> str:
         return os.path.join(self.root, rel) if rel else self.root
 

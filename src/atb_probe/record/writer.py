@@ -16,10 +16,16 @@ csv rows are batched per file and appended atomically (see `SafeTree.append_line
 `ROWS_DELAY` seconds, and at once on `flush`/`close`. Queued and batched bytes both count in
 `bytes_queued` until they are on disk.
 
-A job is a small record (`FileJob`, `JsonJob`, `RowsJob`) that carries the bytes it accounts
-for. `_cond` guards what producers and the writer thread share: the job queue, the csv batches
-waiting, `stats.bytes_queued`, `failed` and closed, the busy and urgent flags and the time of
-the last progress. The other counters of `stats` are written by the writer thread only.
+A job is a typed record (record/jobs.py) that carries everything the writer needs: a tensor
+file's job holds the Tensor Path cell of the row that names it, and marks it missing when the
+file is skipped, so that row says N/A. The writer imports no torch and calls nothing of the
+capture side; the only thing it waits for is a job's `ready` (accelerator copies).
+
+`Writer` has more methods than we like in a class: they share one lock (`_cond`) and one
+thread, and the lock protocol is easier to check in one place. `_cond` guards what producers
+and the writer thread share: the job queue, the csv batches waiting (`RowBatches`),
+`stats.bytes_queued`, `failed` and closed, the busy and urgent flags and the time of the last
+progress. The other counters of `stats` are written by the writer thread only.
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from .. import log
-from ..statcsv import HEAD_CELLS, ROW_CELLS, format_sides, side_rows
+from ..statcsv import format_sides, mark_missing
+from .jobs import JsonJob, RowsJob, TensorFileJob
 from .safefs import SafeTree, UnsafePathError
 
 GIB = 1024 ** 3
@@ -45,9 +52,6 @@ ROWS_DELAY = 0.2
 ROWS_MAX_DELAY = 2.0
 ROWS_BATCH = 256 * 1024
 MAX_ROW_FILES = 16         # csv files with rows waiting at once
-_JOB_OVERHEAD = 256        # accounted bytes for a job besides its payload
-_RECORD_BYTES = 192        # accounted bytes for a statistic.csv record
-_NA = "N/A"                # the Tensor Path of a row whose file was not written (statcsv.NA)
 _ERRNO_WORDS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
                 errno.EIO: "I/O error", errno.EROFS: "read-only file system"}
@@ -62,51 +66,72 @@ class WriterStats:
     last_error: str | None = None
 
 
-@dataclass(slots=True)
-class FileJob:
-    """A file made of `chunks` (header bytes, then buffers the writer may keep)."""
-
-    rel_dir: str
-    name: str
-    chunks: list
-    size: int  # accounted bytes
-    ready: object = None  # an accelerator event to wait for before reading the buffers
-
-
-@dataclass(slots=True)
-class JsonJob:
-    """A JSON document, serialised on the writer thread."""
-
-    rel_dir: str
-    name: str
-    doc: object
-    size: int
-
-
-@dataclass(slots=True)
-class RowsJob:
-    """statistic.csv records queued behind earlier jobs; they join their file's batch when the
-    writer reaches them."""
-
-    rel_dir: str
-    name: str
-    records: list
-    header: str
-    size: int
-
-
 class _Rows:
     """csv rows waiting to be appended to one file."""
 
-    __slots__ = ("header", "parts", "nbytes", "accounted", "due", "file_bytes")
+    __slots__ = ("header", "parts", "nbytes", "accounted", "due", "file_bytes", "ready")
 
     def __init__(self, header: str, now: float, file_bytes: int):
         self.header = header
         self.parts: list = []  # lists of side records (statcsv.py)
+        self.ready: list = []  # what to wait for before reading their statistics cells
         self.nbytes = 0        # bytes of rows waiting (estimated)
         self.accounted = 0     # their share of bytes_queued
         self.file_bytes = file_bytes  # bytes this writer has appended to the file so far
         self.due = now + min(ROWS_MAX_DELAY, ROWS_DELAY * max(1.0, file_bytes / ROWS_BATCH))
+
+    def encode(self, round_path: str) -> bytes:
+        """The csv bytes of every waiting row (their Tensor Paths below `round_path`)."""
+        for ready in self.ready:
+            ready.wait()
+        return "".join(format_sides(part, round_path) for part in self.parts).encode("utf-8")
+
+
+class RowBatches:
+    """csv rows waiting per file (the caller holds the writer's lock): how long they may wait,
+    and how many bytes each file has had so far (a bigger file waits longer)."""
+
+    def __init__(self):
+        self.waiting: dict[tuple[str, str], _Rows] = {}
+        self._file_bytes: dict[tuple[str, str], int] = {}
+
+    def add(self, job: RowsJob, wakes_at: float) -> bool:
+        """Add a rows job to its file's batch; from here the batch accounts for its bytes.
+        True when the writer should look at the batches now: a new one due before the writer
+        wakes anyway (`wakes_at`), or one big enough to write."""
+        key = (job.rel_dir, job.name)
+        rows = self.waiting.get(key)
+        new = rows is None
+        if new:
+            rows = self.waiting[key] = _Rows(job.header, time.monotonic(),
+                                             self._file_bytes.get(key, 0))
+        rows.parts.append(job.sides)
+        if job.ready is not None:
+            rows.ready.append(job.ready)
+        rows.nbytes += job.size
+        rows.accounted += job.size
+        if len(self.waiting) > MAX_ROW_FILES or rows.nbytes >= max(ROWS_BATCH, rows.file_bytes):
+            rows.due = 0.0
+            return True
+        # A new batch wakes the writer only if it would sleep past the batch's due time: a
+        # wake-up costs the model thread a GIL hand-over, and rows come once per layer.
+        return new and rows.due < wakes_at
+
+    def seconds_left(self) -> float:
+        """Seconds until the first batch is due."""
+        return min(r.due for r in self.waiting.values()) - time.monotonic()
+
+    def take(self):
+        """The next file's (key, batch), removed; None when nothing waits."""
+        if not self.waiting:
+            return None
+        key = next(iter(self.waiting))
+        return key, self.waiting.pop(key)
+
+    def appended(self, key: tuple[str, str], rows: _Rows, nbytes: int) -> None:
+        if len(self._file_bytes) >= 256:
+            self._file_bytes.clear()
+        self._file_bytes[key] = rows.file_bytes + nbytes
 
 
 class Writer:
@@ -123,54 +148,34 @@ class Writer:
         self._warned: set[str] = set()  # this writer's warn-once keys (log.warn_once)
         self._reset_queue()
         self._closed = False
-        tree.progress = self._progress
+        tree.watch_progress(self._progress)
 
     def _reset_queue(self) -> None:
         self._jobs: deque = deque()
         self._cond = threading.Condition()
         self._busy = False
         self._thread: threading.Thread | None = None
-        self._rows: dict[tuple[str, str], _Rows] = {}
-        self._row_file_bytes: dict[tuple[str, str], int] = {}
-        self._missing: set[str] = set()   # absolute paths of files skipped, until their row
+        self._rows = RowBatches()
         self._urgent = 0                  # threads waiting for the disk: write rows now
         self._wakes_at = 0.0              # when the sleeping writer wakes on its own (inf: never)
         self._last_progress = time.monotonic()
 
     # -- producer side (model threads) --------------------------------------------------------
 
-    def put_file(self, rel_dir: str, name: str, chunks: list, payload_bytes: int,
-                 ready=None) -> None:
-        """Queue a file made of `chunks` (header bytes, then buffers the writer may keep).
-        `ready`: None, or an event (`torch.cuda.Event`...) to wait for before reading the
-        buffers: they are being copied from an accelerator."""
-        self._put(FileJob(rel_dir, name, chunks, payload_bytes + _JOB_OVERHEAD, ready))
+    def put(self, job: TensorFileJob | JsonJob | RowsJob) -> None:
+        """Queue a job (record/jobs.py). Waits while the queue is full (back-pressure); drops
+        the job once the writer has stopped.
 
-    def put_records(self, rel_dir: str, name: str, sides: list, header: str) -> None:
-        """Queue statistic.csv rows as side records (statcsv.py) for `rel_dir/name`, a new
-        file starting with `header`: they are formatted on the writer thread, when their batch
-        is written.
-
-        Rows join their file's batch at once when nothing is queued before them (so every
-        file they name has been dealt with), without waking the writer unless the batch is new
-        or full: the writer sleeps until the batch is due. Otherwise they queue in order."""
-        size = _RECORD_BYTES * sum([side_rows(side) for side in sides])
-        with self._cond:
-            if not self._admit(size):
-                return
-            if self._jobs or self._busy:
-                self._jobs.append(RowsJob(rel_dir, name, sides, header, size))
-                self._cond.notify_all()
-            elif self._batch((rel_dir, name), header, sides, size):
-                self._cond.notify_all()
-
-    def put_json(self, rel_dir: str, name: str, obj) -> None:
-        """Queue a JSON document; it is serialised on the writer thread."""
-        self._put(JsonJob(rel_dir, name, obj, 4096))
-
-    def _put(self, job: FileJob | JsonJob) -> None:
+        statistic.csv rows join their file's batch at once when nothing is queued before them
+        (so every file they name has been dealt with), without waking the writer unless the
+        batch is new or full: the writer sleeps until the batch is due. Everything else
+        queues in order."""
         with self._cond:
             if not self._admit(job.size):
+                return
+            if type(job) is RowsJob and not (self._jobs or self._busy):
+                if self._rows.add(job, self._wakes_at):
+                    self._cond.notify_all()
                 return
             self._jobs.append(job)
             self._cond.notify_all()
@@ -209,9 +214,9 @@ class Writer:
             self._urgent += 1
             self._cond.notify_all()
             try:
-                while self._jobs or self._busy or self._rows:
+                while self._jobs or self._busy or self._rows.waiting:
                     if self._thread is None or not self._thread.is_alive():
-                        return not self._jobs and not self._rows
+                        return not self._jobs and not self._rows.waiting
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return False
@@ -226,7 +231,7 @@ class Writer:
 
     def close(self, timeout: float | None = None) -> bool:
         """Flush (at most `timeout` s) and stop the writer thread. When the disk did not take
-        everything in time, the tree is marked stuck: later writes fail at once instead of
+        everything in time, the tree is told to give up: later writes fail at once instead of
         blocking the exit behind a writer that is itself blocked in the kernel."""
         done = self.flush(timeout)
         with self._cond:
@@ -234,15 +239,18 @@ class Writer:
             stuck = not done and self._busy
             self._cond.notify_all()
         if stuck:
-            self.tree.stuck = True
+            self.tree.give_up()
         else:
             self.tree.close()
         return done
 
     def reset_after_fork(self) -> None:
-        """In a forked child: forget the parent's queue and thread."""
+        """In a forked child: forget the parent's queue and thread, and write through a tree
+        of its own (the parent's lock may be held for good)."""
         self._reset_queue()
         self.stats = WriterStats()
+        self.tree = SafeTree(self.tree.root)
+        self.tree.watch_progress(self._progress)
 
     # -- writer thread ------------------------------------------------------------------------
 
@@ -258,7 +266,7 @@ class Writer:
                 while True:
                     # Rows that are due go first, even while files keep coming: a busy writer
                     # must not let statistic.csv fall behind the files it lists.
-                    wait = self._rows_wait() if self._rows else None
+                    wait = self._rows_wait() if self._rows.waiting else None
                     if wait is not None and wait <= 0:
                         break
                     if self._jobs:
@@ -271,23 +279,22 @@ class Writer:
                     self._wakes_at = 0.0
                 self._busy = True
                 self._last_progress = time.monotonic()  # idle time is not a stall
-            self.tree.progress = self._progress  # the tree may have been replaced (fork)
-            kept = 0
+            batched = 0  # a rows job's bytes, accounted by its batch from here
             try:
                 if job is None:
                     self._write_rows()
                 elif type(job) is RowsJob:
-                    kept = job.size  # the batch accounts for it from here
+                    batched = job.size
                     with self._cond:  # written when due: see the wait above
-                        self._batch((job.rel_dir, job.name), job.header, job.records, job.size)
+                        self._rows.add(job, 0.0)
                 elif not self.failed:
-                    self._do(job)
+                    self._write_job(job)
             except Exception as exc:  # the writer must never die silently
                 self._fail(exc, self._where(job))
             finally:
                 with self._cond:
                     if job is not None:
-                        self.stats.bytes_queued -= job.size - kept
+                        self.stats.bytes_queued -= job.size - batched
                     self._busy = False
                     self._last_progress = time.monotonic()
                     self._cond.notify_all()
@@ -296,21 +303,21 @@ class Writer:
         """Seconds until waiting rows must be written (0: now)."""
         if self._urgent or self._closed or self.failed:
             return 0
-        return min(r.due for r in self._rows.values()) - time.monotonic()
+        return self._rows.seconds_left()
 
     def _progress(self, nbytes: int) -> None:
         self._last_progress = time.monotonic()
 
-    def _do(self, job: FileJob | JsonJob) -> None:
+    def _write_job(self, job: TensorFileJob | JsonJob) -> None:
         rel_dir, name = job.rel_dir, job.name
         try:
-            if type(job) is FileJob:
+            if type(job) is TensorFileJob:
                 chunks = job.chunks
                 if job.ready is not None:
-                    job.ready.synchronize()
+                    job.ready.wait()
                 nbytes = sum(memoryview(c).nbytes for c in chunks)
                 if not self._has_room(rel_dir, nbytes, name):
-                    self._missing.add(self.tree.path(f"{rel_dir}/{name}"))
+                    _unname(job)
                     return
                 self.tree.write_file(rel_dir, name, chunks)
                 self.stats.files_written += 1
@@ -321,16 +328,15 @@ class Writer:
                 self.stats.bytes_written += self.tree.write_file(rel_dir, name, [data])
                 self.stats.files_written += 1
         except UnsafePathError as exc:
-            self._refuse(exc, rel_dir, name, is_tensor_file=type(job) is FileJob)
+            if type(job) is TensorFileJob:
+                _unname(job)
+            self._refuse(exc, rel_dir)
 
-    def _where(self, job: FileJob | JsonJob | RowsJob | None) -> str:
+    def _where(self, job: TensorFileJob | JsonJob | RowsJob | None) -> str:
         return self.tree.path(f"{job.rel_dir}/{job.name}") if job else self.tree.root
 
-    def _refuse(self, exc: UnsafePathError, rel_dir: str, name: str,
-                is_tensor_file: bool) -> None:
+    def _refuse(self, exc: UnsafePathError, rel_dir: str) -> None:
         self.stats.files_skipped += 1
-        if is_tensor_file:
-            self._missing.add(self.tree.path(f"{rel_dir}/{name}"))
         where = exc.filename or self.tree.path(rel_dir)
         message = f"{exc.strerror}: {where}; such files are skipped"
         self.stats.last_error = message
@@ -338,74 +344,31 @@ class Writer:
 
     # -- csv rows -----------------------------------------------------------------------------
 
-    def _batch(self, key: tuple[str, str], header: str, part, size: int) -> bool:
-        """(Holding `_cond`.) Add records to the batch of file `key`; from here
-        the batch accounts for their `size` queued bytes. True when the writer should look at
-        the batches now: a new one due before the writer wakes anyway, or one big enough to
-        write."""
-        rows = self._rows.get(key)
-        new = rows is None
-        if new:
-            rows = self._rows[key] = _Rows(header, time.monotonic(),
-                                           self._row_file_bytes.get(key, 0))
-        rows.parts.append(part)
-        rows.nbytes += size
-        rows.accounted += size
-        if len(self._rows) > MAX_ROW_FILES or rows.nbytes >= max(ROWS_BATCH, rows.file_bytes):
-            rows.due = 0.0
-            return True
-        # A new batch wakes the writer only if it would sleep past the batch's due time: a
-        # wake-up costs the model thread a GIL hand-over, and rows come once per layer.
-        return new and rows.due < self._wakes_at
-
     def _write_rows(self) -> None:
         """Append every waiting row to its file (each file in one atomic step). Never raises:
         a write error stops the writer."""
         while True:
             with self._cond:
-                if not self._rows:
-                    return
-                key = next(iter(self._rows))
-                rows = self._rows.pop(key)
+                taken = self._rows.take()
+            if taken is None:
+                return
+            key, rows = taken
             error = None
             try:
-                self._append(key, rows)
+                data = rows.encode(self.tree.path(key[0]))
+                if data:
+                    self.stats.bytes_written += self.tree.append_lines(
+                        key[0], key[1], data, rows.header.encode("utf-8"))
+                    with self._cond:
+                        self._rows.appended(key, rows, len(data))
             except UnsafePathError as exc:
-                self._refuse(exc, key[0], key[1], is_tensor_file=False)
+                self._refuse(exc, key[0])
             except Exception as exc:
                 error = exc
             finally:
                 self._release(rows)
             if error is not None and not self.failed:
                 self._fail(error, self.tree.path(f"{key[0]}/{key[1]}"))
-
-    def _append(self, key: tuple[str, str], rows: _Rows) -> None:
-        data = b"".join(self._encode(part) for part in rows.parts)
-        if not data:
-            return
-        self.stats.bytes_written += self.tree.append_lines(key[0], key[1], data,
-                                                           rows.header.encode("utf-8"))
-        if len(self._row_file_bytes) >= 256:
-            self._row_file_bytes.clear()
-        self._row_file_bytes[key] = rows.file_bytes + len(data)
-
-    def _encode(self, part: list) -> bytes:
-        """csv bytes of a batch part; rows naming a skipped file say N/A in their Tensor Path."""
-        if self._missing:
-            part = [self._unname_side(side) for side in part]
-        return format_sides(part).encode("utf-8")
-
-    def _unname_side(self, side: tuple) -> tuple:
-        missing = self._missing
-        paths = range(HEAD_CELLS + ROW_CELLS - 1, len(side), ROW_CELLS)  # the Tensor Paths
-        if not any(side[k] in missing for k in paths):
-            return side
-        cells = list(side)
-        for k in paths:
-            if cells[k] in missing:
-                missing.discard(cells[k])
-                cells[k] = _NA
-        return tuple(cells)
 
     def _release(self, rows: _Rows) -> None:
         with self._cond:
@@ -452,6 +415,12 @@ class Writer:
             self._cond.notify_all()
         log.error(message)
         return True
+
+
+def _unname(job: TensorFileJob) -> None:
+    """A tensor file that is not written: the row naming it says N/A."""
+    if job.row_path is not None:
+        mark_missing(job.row_path)
 
 
 def _size(nbytes: int) -> str:

@@ -1,7 +1,7 @@
 """Max, min, mean and L2 norm of many tensors at once, without waiting on an accelerator.
 
 The recorder collects the tensors of a layer-level op execution and asks for their statistics
-in one `compute` call (see `StatsCache.resolve`). Each result goes into a cell (statcells.py)
+in one `compute` call (see `StatsCache.resolve`). Each result goes into a cell (stats_cell.py)
 that the statistic.csv rows point to; the rows are formatted on the writer thread, which is the
 only reader of the values.
 
@@ -26,8 +26,11 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
   (`segment_rows`): a fixed number of kernels per batch; a lone tensor, a larger one and a
   device without `torch.segment_reduce` go tensor by tensor (`device_row`, four operations).
   Every tensor's four numbers end in one device buffer per batch, copied to pinned host memory
-  without blocking. A `DeviceBatch` records an event after the copy; the writer waits on it
-  (`statcells.values`) when it formats the rows. The model thread never synchronises.
+  without blocking. A `DeviceBatch` records an event after the copy. The probe's
+  `DeviceStatistics` holds the batches not yet finished; the rows handed to the writer carry a
+  `Landing` (`DeviceStatistics.landing`) that the writer waits on before it formats them, which
+  finishes every batch begun before those rows were handed over. The model thread never
+  synchronises, and the writer sees only filled cells.
 """
 from __future__ import annotations
 
@@ -37,21 +40,22 @@ import threading
 import numpy as np
 import torch
 
-from ..statcells import DEVICE, device_batches, fill, new_serial, pack
+from ..stats_cell import DEVICE, fill, new_serial, pack
 
 _max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
 _isfinite = math.isfinite
 SMALL = 4096  # elements: max/min of tensors up to this size are batched (`reduceat`)
 
 
-def compute(tensors: list, cells: list) -> None:
-    """Fill `cells[i]` with the statistics of `tensors[i]` (non-empty tensors)."""
+def compute(tensors: list, cells: list, device: DeviceStatistics) -> None:
+    """Fill `cells[i]` with the statistics of `tensors[i]` (non-empty tensors); those of
+    accelerator tensors fill when `device`'s batches land."""
     if len(tensors) == 1 and tensors[0].is_cpu:  # an op side computed at once: the common case
         x = prepare(tensors[0])
         fill(cells[0], _one_quiet(x.numpy().reshape(-1) if x.is_contiguous() else
                                   dense_flat(x).numpy()))
         return
-    arrays, host_cells, device = [], [], {}
+    arrays, host_cells, on_device = [], [], {}
     with np.errstate(all="ignore"):
         for t, cell in zip(tensors, cells):
             if t.is_cpu:
@@ -60,73 +64,17 @@ def compute(tensors: list, cells: list) -> None:
                               dense_flat(x).numpy())
                 host_cells.append(cell)
             else:
-                device.setdefault(t.device, []).append((t, cell))
+                on_device.setdefault(t.device, []).append((t, cell))
         if arrays:
             _host(arrays, host_cells)
-    for items in device.values():
-        device_batch([t for t, _ in items], [c for _, c in items])
+    for items in on_device.values():
+        device.batch([t for t, _ in items], [c for _, c in items])
 
 
 # Tensors of one dtype, from this many on, are reduced together by segments (`segment_rows`),
 # in parts of at most SEGMENT_ELEMENTS elements; a larger tensor is reduced alone.
 SEGMENTS_FROM = 3
 SEGMENT_ELEMENTS = 1 << 22
-# Device types on which `torch.segment_reduce` failed (their batches go tensor by tensor), and
-# the first such failure, for the record.
-no_segments: set = set()
-segment_failure: str | None = None
-
-
-def device_batch(tensors: list, cells: list) -> None:
-    """Statistics of tensors of one device, computed there: the cells fill when the writer asks
-    for them (see `DeviceBatch`).
-
-    Each tensor costs a Python call and a device kernel per torch operation: several per tensor
-    (`device_row`) add up to most of a small model's decode step on a GPU. So tensors of one
-    dtype are concatenated and reduced by segments, a fixed number of operations for the part
-    (`segment_rows`)."""
-    groups: dict = {}
-    for t, cell in zip(tensors, cells):
-        groups.setdefault(t.dtype, []).append((t, cell))
-    rows, ordered, counts = [], [], []
-    for items in groups.values():
-        part, size = [], 0
-        for t, cell in items:
-            n = t.numel()
-            if n > SEGMENT_ELEMENTS or len(items) < SEGMENTS_FROM or \
-                    t.device.type in no_segments:
-                rows.append(device_row(prepare(t)).unsqueeze(0))
-                ordered.append(cell)
-                counts.append(n)
-                continue
-            if size + n > SEGMENT_ELEMENTS:
-                _add_segments(part, rows, ordered, counts)
-                part, size = [], 0
-            part.append((t, cell))
-            size += n
-        _add_segments(part, rows, ordered, counts)
-    DeviceBatch(rows[0] if len(rows) == 1 else torch.cat(rows), ordered, counts)
-
-
-def _add_segments(part: list, rows: list, cells: list, counts: list) -> None:
-    """Append the rows of `part` ((tensor, cell) pairs of one dtype) to `rows`, its cells to
-    `cells` and its element counts to `counts`: by segments, else tensor by tensor."""
-    if not part:
-        return
-    tensors = [t for t, _ in part]
-    if len(part) == 1:
-        block = device_row(prepare(tensors[0])).unsqueeze(0)
-    else:
-        try:
-            block = segment_rows(tensors)
-        except Exception as exc:  # no segment_reduce for this device (or this torch)
-            global segment_failure
-            no_segments.add(tensors[0].device.type)
-            segment_failure = segment_failure or f"{type(exc).__name__}: {exc}"
-            block = torch.stack([device_row(prepare(t)) for t in tensors])
-    rows.append(block)
-    cells.extend(c for _, c in part)
-    counts.extend(t.numel() for t in tensors)
 
 
 def prepare(t: torch.Tensor) -> torch.Tensor:
@@ -267,10 +215,120 @@ def finish_row(values, n: int) -> tuple:
     return high, low, total / n, norm
 
 
+class DeviceStatistics:
+    """The statistics one probe computes on accelerators: its device batches that have not
+    been finished yet, and the device types whose batches go tensor by tensor.
+
+    Each tensor costs a Python call and a device kernel per torch operation: several per tensor
+    (`device_row`) add up to most of a small model's decode step on a GPU. So tensors of one
+    dtype are concatenated and reduced by segments, a fixed number of operations for the part
+    (`segment_rows`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: dict[int, DeviceBatch] = {}  # serial -> batch, in the order they began
+        self.no_segments: set[str] = set()  # device types where `torch.segment_reduce` failed
+        self.segment_failure: str | None = None  # the first such failure, for the record
+
+    def batch(self, tensors: list, cells: list) -> None:
+        """Queue the statistics of `tensors` (one device) into `cells`: they fill when a
+        `landing` taken after this call is waited on."""
+        groups: dict = {}
+        for t, cell in zip(tensors, cells):
+            groups.setdefault(t.dtype, []).append((t, cell))
+        rows, ordered, counts = [], [], []
+        for items in groups.values():
+            part, size = [], 0
+            for t, cell in items:
+                n = t.numel()
+                if n > SEGMENT_ELEMENTS or len(items) < SEGMENTS_FROM or \
+                        t.device.type in self.no_segments:
+                    rows.append(device_row(prepare(t)).unsqueeze(0))
+                    ordered.append(cell)
+                    counts.append(n)
+                    continue
+                if size + n > SEGMENT_ELEMENTS:
+                    self._add_segments(part, rows, ordered, counts)
+                    part, size = [], 0
+                part.append((t, cell))
+                size += n
+            self._add_segments(part, rows, ordered, counts)
+        stacked = rows[0] if len(rows) == 1 else torch.cat(rows)
+        with self._lock:  # serials in the order batches enter `_open` (see `finish_until`)
+            batch = DeviceBatch(stacked, ordered, counts)
+            self._open[batch.serial] = batch
+            crowded = len(self._open) > MAX_DEVICE_BATCHES
+        if crowded:
+            self._finish_landed()
+
+    def _add_segments(self, part: list, rows: list, cells: list, counts: list) -> None:
+        """Append the rows of `part` ((tensor, cell) pairs of one dtype) to `rows`, its cells
+        to `cells` and its element counts to `counts`: by segments, else tensor by tensor."""
+        if not part:
+            return
+        tensors = [t for t, _ in part]
+        if len(part) == 1:
+            block = device_row(prepare(tensors[0])).unsqueeze(0)
+        else:
+            try:
+                block = segment_rows(tensors)
+            except Exception as exc:  # no segment_reduce for this device (or this torch)
+                self.no_segments.add(tensors[0].device.type)
+                self.segment_failure = self.segment_failure or f"{type(exc).__name__}: {exc}"
+                block = torch.stack([device_row(prepare(t)) for t in tensors])
+        rows.append(block)
+        cells.extend(c for _, c in part)
+        counts.extend(t.numel() for t in tensors)
+
+    def landing(self) -> Landing | None:
+        """What to wait for before reading the cells handed out so far: None when every batch
+        is finished (always, without accelerators)."""
+        if not self._open:
+            return None
+        with self._lock:
+            last = next(reversed(self._open), None)
+        return None if last is None else Landing(self, last)
+
+    def finish_until(self, serial: int) -> None:
+        """Finish every batch begun up to the one numbered `serial` (waiting for its copy)."""
+        while True:
+            with self._lock:
+                first = next(iter(self._open), None)
+                if first is None or first > serial:
+                    return
+                batch = self._open.pop(first)
+            batch.finish()
+
+    def pending(self) -> int:
+        """How many batches are not finished yet."""
+        return len(self._open)
+
+    def _finish_landed(self) -> None:
+        """Rows that are never formatted (the writer stopped) leave their batches here: finish
+        those whose copy has landed, so what waits stays bounded."""
+        with self._lock:
+            landed = [s for s, b in self._open.items() if b.landed()]
+            done = [self._open.pop(s) for s in landed]
+        for batch in done:
+            batch.finish()
+
+
+class Landing:
+    """Device statistics on their way to rows handed to the writer: `wait` returns once every
+    cell those rows show is filled."""
+
+    __slots__ = ("_device", "_serial")
+
+    def __init__(self, device: DeviceStatistics, serial: int):
+        self._device, self._serial = device, serial
+
+    def wait(self) -> None:
+        self._device.finish_until(self._serial)
+
+
 class DeviceBatch:
     """The statistics rows of one batch on their way from a device to pinned host memory. Its
-    cells say `DEVICE` and name it by its serial (`statcells.values` finds it in
-    `device_batches`)."""
+    cells say `DEVICE` until `finish` fills them."""
 
     def __init__(self, stacked: torch.Tensor, cells: list, counts: list):
         if stacked.is_cpu:  # CPU tensors sent this way (tests): nothing to wait for
@@ -282,9 +340,6 @@ class DeviceBatch:
         self.serial = serial = new_serial()
         for cell in cells:
             pack(cell, 0, 0.0, 0.0, 0.0, 0.0, serial, DEVICE)
-        if len(device_batches) >= MAX_DEVICE_BATCHES:
-            _finish_landed()
-        device_batches[serial] = self
 
     def finish(self) -> None:
         """Wait for the copy and fill the cells (once; any thread)."""
@@ -296,22 +351,14 @@ class DeviceBatch:
             for cell, row, n in zip(self.cells, self.host.tolist(), self.counts):
                 fill(cell, finish_row(row, n))
             self.cells = self.host = self.event = None
-            device_batches.pop(self.serial, None)
 
     def landed(self) -> bool:
         """Whether the copy is done (never waits)."""
         return self.event is None or self.event.query()
 
 
-# Batches whose rows are never formatted (the writer stopped) are finished here once their copy
-# landed, beyond this many waiting.
+# Batches not finished beyond this many: those whose copy landed are finished at once.
 MAX_DEVICE_BATCHES = 4096
-
-
-def _finish_landed() -> None:
-    for batch in list(device_batches.values()):
-        if batch.landed():
-            batch.finish()
 
 
 def to_host(x: torch.Tensor):

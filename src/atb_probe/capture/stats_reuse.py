@@ -1,6 +1,6 @@
 """Statistics computed once per state of a tensor's memory, not once per appearance, and in
-batches: a lookup that misses queues the tensor and returns a pending cell (statcells.py), and
-`resolve` computes everything queued in one call (statistics.py).
+batches: a lookup that misses queues the tensor and returns a pending cell (stats_cell.py), and
+`resolve` computes everything queued in one call (stats_compute.py).
 
 Each layer-level op execution has its own `Queue`. The recorder resolves it at the end of the
 execution when it sees the kernels inside (and before any kernel there that writes to its
@@ -11,7 +11,7 @@ that.
 With `save_child` the same values show up again and again: a kernel's output is the next
 kernel's input, a view (`aten.view`, `aten.t`, `aten.unsqueeze`...) holds the values of its
 input, and every weight is an input in every round. Max, min, sum and norm depend only on the
-multiset of values, and `statistics.compute` reduces a dense tensor in storage order, so two
+multiset of values, and `stats_compute.compute` reduces a dense tensor in storage order, so two
 tensors over the same dense memory get bit-identical results.
 
 Before any memory key is computed, a tensor is looked up by identity: the same object, at the
@@ -46,8 +46,8 @@ import weakref
 
 import torch
 
-from ..statcells import EMPTY, QUEUED, new_cell, new_serial, waits_in
-from .statistics import compute, is_dense
+from ..stats_cell import EMPTY, QUEUED, new_cell, new_serial, waits_in
+from .stats_compute import DeviceStatistics, compute, is_dense
 from .tensors import storage_key
 
 # Entries that can no longer be used (their tensor died, or changed since: versions only grow)
@@ -102,9 +102,10 @@ class Queue:
     """Tensors of one thread's layer-level op execution whose statistics are pending, and
     their cells (see the module docstring)."""
 
-    __slots__ = ("tensors", "cells", "nbytes", "serial")
+    __slots__ = ("tensors", "cells", "nbytes", "serial", "device")
 
-    def __init__(self):
+    def __init__(self, device: DeviceStatistics):
+        self.device = device  # where accelerator tensors are reduced
         self.tensors: list = []
         self.cells: list = []
         self.nbytes = 0       # bytes of the tensors kept alive for it
@@ -115,7 +116,7 @@ class Queue:
         if self.tensors:
             tensors, cells = self.tensors, self.cells
             self.tensors, self.cells, self.nbytes = [], [], 0
-            compute(tensors, cells)
+            compute(tensors, cells, self.device)
 
 
 class StatsCache:
@@ -128,6 +129,7 @@ class StatsCache:
     is used."""
 
     def __init__(self):
+        self.device = DeviceStatistics()
         self._entries: dict = {}
         self._limit = MIN_ENTRIES
         # id(tensor) -> (weak reference to it, its version, cell, its data pointer): the same
@@ -140,6 +142,10 @@ class StatsCache:
         # A fork while another thread holds the lock would leave it held for good in the child.
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _after_fork(ref))
+
+    def new_queue(self) -> Queue:
+        """An empty queue for the statistics of one layer-level op execution."""
+        return Queue(self.device)
 
     def clear(self) -> None:
         with self._lock:

@@ -2,8 +2,9 @@
 for the statistic.csv rows that show them.
 
 The recorder hands a row a cell as soon as it sees the tensor; the cell fills when its batch is
-computed (capture/statistics.py), on an accelerator when the batch's copy to the host has
-landed, and the writer reads it when it formats the row (`values`).
+computed (capture/stats_compute.py), on an accelerator when the batch's copy to the host has
+landed (the rows' `Landing`, which the writer waits on), and the writer reads it when it
+formats the row (`values`). Pure: no torch.
 
 Rows wait for the writer for a while (a round, then the writer's delay), so many of them are
 alive at once. A cell is therefore a `bytearray` (struct `_CELL`: max, min, mean and norm as
@@ -19,7 +20,9 @@ from __future__ import annotations
 import itertools
 import struct
 
-READY, NA, QUEUED, DEVICE = 0, 1, 2, 3  # a cell's state: its last byte
+# A cell's state, its last byte: filled, never to be filled (an empty tensor: the row says N/A),
+# pending in a queue, on its way from a device.
+READY, NO_VALUES, QUEUED, DEVICE = 0, 1, 2, 3
 _CELL = struct.Struct("=4dqB")
 pack = _CELL.pack_into  # pack(cell, 0, max, min, mean, norm, serial, state)
 _unpack = _CELL.unpack_from
@@ -30,12 +33,8 @@ _QUEUED = bytearray(_CELL.size)
 _QUEUED[-1] = QUEUED
 _serials = itertools.count(1)  # queues and device batches (next() is atomic under the GIL)
 
-# serial -> device batch (capture/statistics.py: `DeviceBatch`) whose cells wait for it; the
-# writer finishes a batch when it formats the first row that shows one of its cells.
-device_batches: dict = {}
-
 EMPTY = bytearray(_CELL.size)  # the statistics of every empty tensor: N/A
-EMPTY[-1] = NA
+EMPTY[-1] = NO_VALUES
 
 
 def new_serial() -> int:
@@ -62,15 +61,7 @@ def fill(cell: bytearray, stats: tuple) -> None:
 
 def values(cell: bytearray | None):
     """(max, min, mean, norm) of a cell, or None for N/A (an empty tensor, a statistic that
-    was never computed); waits for a device batch's copy if needed (writer thread)."""
-    if cell is None:
-        return None
-    state = cell[-1]
-    if state == DEVICE:
-        batch = device_batches.get(waits_in(cell))
-        if batch is not None:
-            batch.finish()
-        state = cell[-1]
-    if state != READY:
+    was never computed)."""
+    if cell is None or cell[-1] != READY:
         return None
     return _unpack(cell)[:4]
