@@ -4,9 +4,11 @@ Most users never import this: sourcing `load_atb_probe.sh` makes every Python pr
 probe when it imports torch. For notebooks and tests::
 
     import atb_probe
-    atb_probe.enable(output="out", config="config.json")   # or config={...}
-    model(...)
-    atb_probe.disable()                                     # flushes everything to disk
+    with atb_probe.enabled(output="out", config="config.json"):   # or config={...}
+        model(...)
+    # the block's end flushes everything to disk, as atb_probe.disable() does
+
+`enable` / `disable` do the same for code that cannot wrap the model's calls in a block.
 
 `atb_probe.step()` marks one inference step of a serving loop (several root modules called in
 turn) as one round. `atb_probe.load(path)` reads one `.bin` file back as a torch tensor;
@@ -18,7 +20,8 @@ import contextlib
 import os
 
 __version__ = "0.1.0"
-__all__ = ["enable", "disable", "active", "step", "load", "open_dump", "__version__"]
+__all__ = ["enable", "disable", "enabled", "active", "step", "load", "open_dump",
+           "__version__"]
 
 _probe = None
 _suppressed = False  # set by the CLI: our own tools never dump themselves
@@ -49,6 +52,21 @@ def disable(timeout: float | None = None) -> bool:
     return probe.close(timeout) if probe is not None else True
 
 
+@contextlib.contextmanager
+def enabled(output: str = ".", config=None, timeout: float | None = None):
+    """`enable` for the length of a `with` block, which gets the `Probe`: however the block
+    ends, the probe is closed as `disable(timeout)` closes it (queued data on disk, the final
+    status written), and the hooks it installed are taken out."""
+    probe = enable(output, config)
+    try:
+        yield probe
+    finally:
+        if _probe is probe:
+            disable(timeout)
+        else:  # the block enabled another probe meanwhile: that one is not ours to close
+            probe.close(timeout)
+
+
 def active():
     """The running `Probe`, or None."""
     return _probe
@@ -67,9 +85,10 @@ class step(contextlib.ContextDecorator):
     """
 
     def __init__(self, phase: str | None = None):
-        if phase not in (None, "Prefill", "Decoder"):
+        from .rounds import Phase
+        if phase not in (None, Phase.PREFILL, Phase.DECODER):
             raise ValueError(f'phase must be "Prefill", "Decoder" or None, not {phase!r}')
-        self.phase = phase
+        self.phase = None if phase is None else Phase(phase)
         self._engine = None
 
     def _recreate_cm(self):

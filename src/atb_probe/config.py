@@ -7,6 +7,7 @@ not world-writable. Nothing here raises on bad input.
 """
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
@@ -14,7 +15,20 @@ import stat
 from dataclasses import dataclass, field
 
 MAX_CONFIG_BYTES = 1024 * 1024
-TASKS = ("tensor", "statistics", "all")
+
+
+class Task(str, enum.Enum):
+    """What a dump writes: tensor files, statistics, or both. Its text is its value."""
+
+    TENSOR = "tensor"
+    STATISTICS = "statistics"
+    ALL = "all"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+TASKS = tuple(task.value for task in Task)
 # ASCII digits only, and few of them: int() of thousands of digits raises (and is slow), and no
 # round, device or op index comes near 10**18.
 MAX_NUMBER_DIGITS = 18
@@ -41,7 +55,7 @@ class ExecRange:
 class DumpConfig:
     """One parsed config.json: every field has its SPEC default."""
 
-    task: str = "tensor"
+    task: Task = Task.TENSOR
     dump_enable: bool = False
     exec_range: ExecRange = field(default_factory=ExecRange)
     ids: tuple[str, ...] = ()
@@ -50,13 +64,16 @@ class DumpConfig:
     device: tuple[int, ...] = ()
     filter_level: int = 1
 
+    def __post_init__(self):
+        object.__setattr__(self, "task", Task(self.task))  # "tensor" given as text too
+
     @property
     def wants_tensors(self) -> bool:
-        return self.task in ("tensor", "all")
+        return self.task is not Task.STATISTICS
 
     @property
     def wants_statistics(self) -> bool:
-        return self.task in ("statistics", "all")
+        return self.task is not Task.TENSOR
 
 
 DEFAULTS = {

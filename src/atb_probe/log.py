@@ -18,6 +18,11 @@ def info(message: str) -> None:
     _emit(f"{PREFIX} {message}")
 
 
+def say_verbatim(line: str) -> None:
+    """A line without our prefix: the messages the original tool prints word for word."""
+    _emit(line)
+
+
 def warn(message: str) -> None:
     _emit(f"{PREFIX} WARNING: {message}")
 

@@ -46,7 +46,10 @@ WAKE_MESSAGE = "Ready to dump ATB data, the running speed of the model will be a
 
 
 class Probe:
-    """Everything the probe knows and does in this process."""
+    """Everything the probe knows and does in this process.
+
+    More methods than we like in a class: it is the one home of the process's probe state
+    (its parts with one job each are in `process/`), and the capture side's `RoundSource`."""
 
     def __init__(self, output: str, config_path: str | None = None,
                  config: DumpConfig | dict | None = None):
@@ -57,33 +60,36 @@ class Probe:
         self.config: DumpConfig | None = None
         self.selection: Selection | None = None
         self.config_applied_at: str | None = None
-        self.pid = os.getpid()
         self.device: int | None = None
-        self.devpid = layout.devpid(local_rank(), self.pid)
-        self.rounds_dumped = 0     # selected rounds that wrote data
-        self.rounds_empty = 0      # selected rounds that wrote nothing (no op matched)
-        self.rounds_started = 0
         self.woken = False
         self._excluded_said = None  # the device list this process was last told it is not in
         self.engine = None
-        self.started_at = utc_now()
-        self.proc_start = proc_start(self.pid)
         self.last_error: str | None = None
         self._fixed_config = config
-        self.watcher = ConfigWatcher(self.config_path, self._apply, self._kick_set) \
+        self.watcher = ConfigWatcher(self.config_path, self._apply, self._wake_watcher) \
             if self.config_path and config is None else None
-        self.status_file = self._new_status_file()
-        self._rounds = itertools.count()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._kick = threading.Event()
         self._thread: threading.Thread | None = None
         self._errors: set[str] = set()  # the kinds of error this probe has reported
         self._closed = False
+        self._begin_process()
 
-    def _new_status_file(self) -> StatusFile:
-        return StatusFile(self.tree, lambda: (self.devpid, self.status()),
-                          lambda: self.writer.failed)
+    def _begin_process(self) -> None:
+        """What belongs to this process, not to the probe: its name, counters, status file,
+        locks and events (a forked child starts them afresh)."""
+        self.pid = os.getpid()
+        self.devpid = layout.devpid(self.device if self.device is not None else local_rank(),
+                                    self.pid)
+        self.rounds_dumped = 0     # selected rounds that wrote data
+        self.rounds_empty = 0      # selected rounds that wrote nothing (no op matched)
+        self.rounds_started = 0
+        self.started_at = utc_now()
+        self.proc_start = proc_start(self.pid)
+        self.status_file = StatusFile(self.tree, lambda: (self.devpid, self.status()),
+                                      lambda: self.writer.failed)
+        self._rounds = itertools.count()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # wakes the background thread before its next poll
 
     @property
     def config_problem(self) -> str | None:
@@ -129,7 +135,7 @@ class Probe:
             return True
         self._closed = True
         self._stop.set()
-        self._kick.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         if self.engine is not None:
@@ -163,8 +169,8 @@ class Probe:
         while not self._stop.is_set():
             # While data is on its way, look often: "nothing queued" shows soon after it is so.
             busy = self.writer.stats.bytes_queued > 0
-            self._kick.wait(STATUS_MIN_INTERVAL if busy else POLL_SECONDS)
-            self._kick.clear()
+            self._wake.wait(STATUS_MIN_INTERVAL if busy else POLL_SECONDS)
+            self._wake.clear()
             if self._stop.is_set():
                 break
             try:
@@ -182,8 +188,8 @@ class Probe:
         if self.watcher is not None:
             self.watcher.poll()
 
-    def _kick_set(self) -> None:
-        self._kick.set()
+    def _wake_watcher(self) -> None:
+        self._wake.set()
 
     def _apply(self, config: DumpConfig | None) -> None:
         if self._closed:
@@ -206,7 +212,7 @@ class Probe:
                          f"dumped; `atb-probe status` gives the next round's number")
             if not self.woken and not excluded:
                 self.woken = True
-                log._emit(WAKE_MESSAGE)
+                log.say_verbatim(WAKE_MESSAGE)
                 try:
                     self.tree.makedirs(layout.DATA_DIR)
                 except OSError as exc:
@@ -215,7 +221,7 @@ class Probe:
             self.engine.install()
         elif self.engine is not None:
             self.engine.uninstall()
-        self._kick.set()
+        self._wake.set()
 
     # -- rounds and device ------------------------------------------------------------------
 
@@ -251,7 +257,7 @@ class Probe:
                 self.rounds_dumped += 1
             else:
                 self.rounds_empty += 1
-        self._kick.set()
+        self._wake.set()
 
     def next_round_dumped(self) -> bool:
         """Whether the next round would be dumped: an engine asks before a step, to run it
@@ -346,21 +352,9 @@ class Probe:
 
     def after_fork_in_child(self) -> None:
         """A forked child is a new process: its own folder, queue, counters and threads."""
-        self.pid = os.getpid()
-        self.devpid = layout.devpid(self.device if self.device is not None else local_rank(),
-                                    self.pid)
         self.writer.reset_after_fork()
         self.tree = self.writer.tree
-        self.rounds_dumped = 0
-        self.rounds_empty = 0
-        self.rounds_started = 0
-        self.started_at = utc_now()
-        self.proc_start = proc_start(self.pid)
-        self._rounds = itertools.count()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._kick = threading.Event()
-        self.status_file = self._new_status_file()
+        self._begin_process()
         if self.engine is not None:
             self.engine.after_fork()
         self._start_thread()

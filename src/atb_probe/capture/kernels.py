@@ -16,7 +16,7 @@ from ..naming import ALLOCATION_OPS, kernel_name
 
 
 class KernelCapture(TorchDispatchMode):
-    """Hands every kernel executed in this thread to `engine.kernel_call`."""
+    """Hands every kernel executed in this thread to `walker.kernel_call` (capture/ops.py)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -27,12 +27,12 @@ class KernelCapture(TorchDispatchMode):
         # which run compiled code eagerly (calltree.py, `_FORCE_EAGER`).
         return not hasattr(torch.compiler, "set_stance")
 
-    def __init__(self, engine):
+    def __init__(self, walker):
         super().__init__()
-        self.engine = engine
+        self.walker = walker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.engine.kernel_call(func, args, kwargs or {})
+        return self.walker.kernel_call(func, args, kwargs or {})
 
 
 class Kernel(NamedTuple):

@@ -94,7 +94,10 @@ class Recorder:
     """Turns what the call tree decided to dump into jobs for `sink` (the background writer).
 
     Its methods follow an op's life: `begin_round`, `begin_layer`, `module_inputs` /
-    `kernel_inputs`, `module_outputs` / `kernel_outputs`, `end_layer` ... `end_round`."""
+    `kernel_inputs`, `module_outputs` / `kernel_outputs`, `end_layer_rows` ... `end_round`.
+    More of them than we like in a class: they are the call tree's one interface to recording,
+    and share the statistics cache and the thread's row handover; the structure files are
+    `StructureFiles`', the statistics `StatsCache`'s."""
 
     def __init__(self, sink):
         self.sink = sink

@@ -36,6 +36,8 @@ import importlib.abc
 import sys
 import threading
 
+from ..rounds import Phase
+
 # (module, class) of the model runners whose steps are rounds. vllm-ascend's is on paper: its
 # code path is the same two methods, not run here.
 RUNNERS = (
@@ -288,12 +290,12 @@ def no_switch(engine, runner) -> None:
         engine.say_compiled()
 
 
-def step_phase(runner, scheduler_output) -> str | None:
+def step_phase(runner, scheduler_output) -> Phase | None:
     """`Prefill` when the step carries prompt tokens, `Decoder` when it carries only each
     request's next tokens; None when the batch cannot be read (the model's cache decides)."""
     try:
         if scheduler_output.scheduled_new_reqs:
-            return "Prefill"
+            return Phase.PREFILL
         cached = scheduler_output.scheduled_cached_reqs
         scheduled = scheduler_output.num_scheduled_tokens
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
@@ -302,9 +304,9 @@ def step_phase(runner, scheduler_output) -> str | None:
             state = requests.get(req_id)
             prompt = getattr(state, "num_prompt_tokens", None)
             if prompt is not None and cached.num_computed_tokens[i] < prompt:
-                return "Prefill"
+                return Phase.PREFILL
             if scheduled.get(req_id, 0) > 1 + len(spec.get(req_id, ())):
-                return "Prefill"   # a resumed request recomputes what it had
-        return "Decoder" if scheduled else None
+                return Phase.PREFILL   # a resumed request recomputes what it had
+        return Phase.DECODER if scheduled else None
     except Exception:
         return None

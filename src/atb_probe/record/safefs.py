@@ -39,7 +39,10 @@ class UnsafePathError(OSError):
 
 
 class SafeTree:
-    """A directory tree rooted at `root` (created if needed) that is written safely."""
+    """A directory tree rooted at `root` (created if needed) that is written safely.
+
+    More methods than we like in a class: every way of writing shares the cache of open
+    directory descriptors and its lock."""
 
     def __init__(self, root: str, max_open_dirs: int = 64):
         self.root = os.path.abspath(root)

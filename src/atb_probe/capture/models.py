@@ -1,0 +1,154 @@
+"""What the call tree needs to know about modules and models, decided once per module.
+
+A module's name, forward signature, whether it holds block lists and whether it is an element
+of one (`ModuleInfo`), and each root module instance's name and module paths (`Model`), kept
+with weak references so a round pays a dictionary lookup per module call, not a walk of the
+model. `phase_of` tells a root call's phase from its cache argument.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from ..naming import sanitize
+from ..rounds import Phase
+from .arguments import forward_params
+
+
+class ModuleInfo:
+    """What the probe needs to know about one module, computed once."""
+
+    __slots__ = ("name", "params", "holds_blocks", "element", "__weakref__")
+
+    def __init__(self, module: nn.Module):
+        self.name = sanitize(type(module).__name__)
+        self.params = forward_params(type(module))
+        # A block list itself, or one anywhere below: a container unless it is an element.
+        self.holds_blocks = any(is_block_list(m) for m in module.modules())
+        self.element = False  # an element of a block list: set when its model is first seen
+
+    @property
+    def is_container(self) -> bool:
+        """Whether this module, called from a container, is a container itself (SPEC §1)."""
+        return self.holds_blocks and not self.element
+
+
+def is_block_list(module: nn.Module) -> bool:
+    """The model's repeated blocks: an `nn.ModuleList` of one or more modules (a one-layer
+    draft model still has its layer list) or an `nn.Sequential` of two or more."""
+    if isinstance(module, nn.ModuleList):
+        return len(module) >= 1
+    return isinstance(module, nn.Sequential) and len(module) >= 2
+
+
+class Model:
+    """One root module instance: its name, module paths and what its structure files hold.
+
+    `name` is the class name for the first instance of that class in the process and
+    `<Class>_<k>` for later ones (SPEC §1), so two models of one class (a draft model in
+    speculative decoding) never share structure files."""
+
+    __slots__ = ("name", "first", "paths", "compiled")
+
+    def __init__(self, name: str, first: bool, module: nn.Module):
+        self.name = name
+        self.first = first    # the first model of the process: its layer files need no folder
+        inner = uncompiled(module)
+        # Attribute paths from the root; a torch.compile wrapper is looked through, so paths
+        # read as in the model's code (`model.layers.0`, not `_orig_mod.model.layers.0`).
+        self.paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.compiled = inner is not module
+        for path, m in inner.named_modules():
+            self.paths.setdefault(m, path)
+            if getattr(m, "_compiled_call_impl", None) is not None or uncompiled(m) is not m:
+                self.compiled = True
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module a `torch.compile` wrapper (`OptimizedModule`) stands for, else `module`."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
+class ModelCatalog:
+    """The `ModuleInfo` of every module seen and the `Model` of every root, for one probe."""
+
+    def __init__(self):
+        self._infos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._model_counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def info(self, module) -> ModuleInfo:
+        info = self._infos.get(module)
+        if info is None:
+            info = ModuleInfo(module)
+            self._infos[module] = info
+        return info
+
+    def model(self, root) -> Model:
+        """The `Model` of a root module instance, named and walked the first time it is seen."""
+        model = self._models.get(root)
+        if model is None:
+            with self._lock:
+                model = self._models.get(root)
+                if model is None:
+                    model = self._new_model(root)
+        return model
+
+    def _new_model(self, root) -> Model:
+        """(Holding `_lock`.) Name a new root and mark the elements of its block lists."""
+        cls = sanitize(type(uncompiled(root)).__name__)
+        count = self._model_counts.get(cls, 0)
+        self._model_counts[cls] = count + 1
+        model = Model(cls if count == 0 else f"{cls}_{count}", not self._models, root)
+        for m in model.paths:
+            if is_block_list(m):
+                for element in m._modules.values():
+                    if element is not None:
+                        self.info(element).element = True
+        self._models[root] = model
+        return model
+
+# Cache arguments, attention KV caches first, then state-space models' (Mamba's `cache_params`,
+# `inference_params` of mamba_ssm).
+_CACHE_PARAMS = ("past_key_values", "past_key_value", "kv_cache", "cache", "layer_past", "past",
+                 "cache_params", "inference_params", "mamba_cache_params")
+
+
+def phase_of(params: tuple, args: tuple, kwargs: dict) -> Phase:
+    """Prefill, Decoder (a KV cache with content came in) or Forward (no cache argument)."""
+    positional, _, ordered = params
+    name = next((n for n in _CACHE_PARAMS if n in ordered), None)
+    if name is None:
+        return Phase.FORWARD
+    if name in kwargs:
+        value = kwargs[name]
+    elif name in positional and positional.index(name) < len(args):
+        value = args[positional.index(name)]
+    else:
+        value = None
+    return Phase.DECODER if _has_content(value) else Phase.PREFILL
+
+
+def _has_content(cache) -> bool:
+    if cache is None:
+        return False
+    length = getattr(cache, "get_seq_length", None)
+    if callable(length):
+        try:
+            return int(length()) > 0
+        except Exception:
+            return False
+    for name in ("seqlen_offset", "has_previous_state"):  # older Mamba caches, mamba_ssm
+        value = getattr(cache, name, None)
+        if isinstance(value, (int, bool)):
+            return bool(value)
+    if isinstance(cache, torch.Tensor):
+        return cache.numel() > 0
+    if isinstance(cache, (tuple, list)):
+        return any(_has_content(c) for c in cache)
+    return True

@@ -1,0 +1,204 @@
+"""The ops below a round's root: layer-level ops, their child modules and kernels (SPEC §1).
+
+`OpWalker` is the per-op path of the call tree (capture/calltree.py): it numbers an op, asks the
+selection what to write of it, pushes its frame on the thread's op stack, hands its tensors to
+the recorder, and captures the kernels of a tracked layer-level op (capture/kernels.py).
+Everything it catches goes to the round source's `report`; the model's own call always runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import layout
+from ..selection import LayerPlan, SKIP_LAYER
+from .arguments import bind_args
+from .frames import Below, Frame, OpFrame, RoundRun
+from .kernels import KernelCapture, kernel_info
+from .models import ModuleInfo
+
+_UNSEEN, _CONTAINER, _TRACK = Below.UNSEEN, Below.CONTAINER, Below.TRACK
+
+
+class OpWalker:
+    """Walks the ops below the roots for one `Engine`."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tls = engine.tls
+        self.recorder = engine.recorder
+        self.source = engine.source
+        self.info = engine.models.info
+
+    # -- ops below the root -----------------------------------------------------------------
+
+    def child_call(self, parent: Frame, module, args, kwargs):
+        original = self.engine.original_call
+        rnd = self.tls.round
+        mode = None
+        try:
+            frame, mode = self.enter(rnd, parent, module, args, kwargs)
+        except Exception as exc:
+            self.source.report(exc)
+            frame = None
+        if frame is None:
+            return original(module, *args, **kwargs)
+        stack = self.tls.stack
+        stack.append(frame)
+        if mode is not None:
+            mode.__enter__()
+        try:
+            out = original(module, *args, **kwargs)
+        except BaseException:
+            if parent.below is _CONTAINER and type(frame) is OpFrame:
+                self.recorder.end_layer_rows(rnd, frame.layer)  # what ran is still recorded
+            raise
+        finally:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+            stack.pop()
+        try:
+            self.leave(rnd, parent, frame, out)
+        except Exception as exc:
+            self.source.report(exc)
+        return out
+
+    def enter(self, rnd: RoundRun, parent: Frame, module, args, kwargs):
+        info = self.info(module)
+        if parent.below is _CONTAINER:
+            if info.is_container:
+                return Frame(_CONTAINER), None
+            return self.enter_layer(rnd, module, info, args, kwargs)
+        index = parent.children
+        parent.children += 1
+        op_id = f"{parent.op_id}_{index}"
+        full_name = f"{parent.full_name}/{info.name}"
+        choice = rnd.selection.child_selected(op_id, full_name, info.name,
+                                              parent.dump_children)
+        frame = OpFrame(op_id, info.name, full_name,
+                        layout.child_op_dir(parent.rel, index, info.name), choice.dump,
+                        choice.dump_children, _TRACK, parent.layer, parent.collect)
+        if choice.dump:
+            rnd.selected += 1
+        if frame.dump or frame.collect:  # else nothing to record: skip the context
+            frame.path = rnd.model.paths.get(module)
+            with torch._C._DisableTorchDispatch():
+                frame.record = self.recorder.module_inputs(rnd, frame, module, info.params,
+                                                           args, kwargs, named=True)
+        return frame, None
+
+    def enter_layer(self, rnd: RoundRun, module, info: ModuleInfo, args, kwargs):
+        index = rnd.layer_count
+        rnd.layer_count += 1
+        if info.name not in rnd.layer_names:
+            rnd.layer_names.append(info.name)
+        op_id = str(index)
+        plan: LayerPlan = rnd.selection.layer_plan(op_id, info.name) if rnd.selection else \
+            SKIP_LAYER
+        if plan.dump:
+            rnd.selected += 1
+        layer = self.recorder.begin_layer(rnd, info.name, op_id, plan.track_children)
+        frame = OpFrame(op_id, info.name, info.name, layout.op_folder(op_id, info.name),
+                        plan.dump, plan.dump_children, _TRACK if plan.track_children else _UNSEEN,
+                        layer, layer.collect, rnd.model.paths.get(module))
+        frame.record = self.recorder.module_inputs(rnd, frame, module, info.params, args, kwargs,
+                                                   named=False)
+        mode = KernelCapture(self) if plan.track_children else None
+        return frame, mode
+
+    def leave(self, rnd: RoundRun, parent: Frame, frame: Frame, out) -> None:
+        if type(frame) is not OpFrame:
+            return
+        is_layer = parent.below is _CONTAINER
+        try:
+            if frame.record is not None:
+                with torch._C._DisableTorchDispatch():
+                    self.recorder.module_outputs(rnd, frame, out, named=not is_layer)
+        finally:
+            if is_layer:
+                self.recorder.end_layer_rows(rnd, frame.layer)
+        if is_layer:
+            self.recorder.layer_done(rnd, frame)
+        else:
+            self.recorder.child_done(parent, frame)
+
+    def kernel_call(self, func, args, kwargs):
+        stack = self.tls.stack
+        top = stack[-1] if stack else None
+        if top is None or top.below is not _TRACK:
+            return func(*args, **kwargs)
+        rnd = self.tls.round
+        frame = None
+        kernel = None
+        try:
+            kernel = kernel_info(func)
+            index = top.children
+            top.children += 1
+            op_id = f"{top.op_id}_{index}"
+            full_name = f"{top.full_name}/{kernel.name}"
+            dump = rnd.selection.child_selected(op_id, full_name, kernel.name,
+                                                top.dump_children).dump
+            if dump:
+                rnd.selected += 1
+            # Neither written nor described in a structure file (and writing to nothing that
+            # filter_level 1 may refer to): the kernel only takes its ID.
+            record = dump or top.collect
+            written = kernel.written
+            if record or written:
+                frame = OpFrame(op_id, kernel.name, full_name,
+                                layout.child_op_dir(top.rel, index, kernel.name), dump, False,
+                                _UNSEEN, top.layer, top.collect)
+                pairs = bind_args(kernel.params, args, kwargs)
+                if record:
+                    frame.record = self.recorder.kernel_inputs(rnd, frame, kernel.op_name, pairs,
+                                                               bool(written))
+                if written:
+                    self.recorder.forget_written(frame.layer, pairs, written)
+        except Exception as exc:
+            self.source.report(exc)
+            frame = None
+        out = func(*args, **kwargs)
+        if kernel is not None and kernel.allocates:
+            self.recorder.allocated(top.layer, out)
+        if frame is not None:
+            try:
+                if dump and kernel.collective:
+                    _wait_for_collective(kernel.op_name, out)
+                if record:
+                    self.recorder.kernel_outputs(rnd, frame, kernel.op_name, out,
+                                                 _written_values(pairs, written, out))
+                    self.recorder.child_done(top, frame)
+            except Exception as exc:
+                self.source.report(exc)
+        return out
+
+
+
+def _written_values(pairs, written: tuple, out) -> list:
+    """The arguments a kernel wrote (`Tensor(a!)`, SPEC §8) that it did not also return (an
+    in-place op returns its `self`), as (name, value) pairs: outputs too, after the kernel."""
+    if not written:
+        return []
+    returned = out if isinstance(out, (tuple, list)) else (out,)
+    found = []
+    for name, value in pairs:
+        if name not in written:
+            continue
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor) and not any(t is r for r in returned):
+                found.append((name, t))
+    return found
+
+
+def _wait_for_collective(op_name: str, out) -> None:
+    """A collective's output tensors hold the result only once it completes; wait for it before
+    recording them (the caller would wait for it next anyway). A c10d op returns its Work; a
+    functional collective returns tensors that `_c10d_functional.wait_tensor` completes."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    if op_name.startswith("c10d."):
+        for item in items:
+            if not isinstance(item, torch.Tensor) and callable(getattr(item, "wait", None)):
+                item.wait()
+    elif not op_name.startswith("_c10d_functional.wait_tensor"):
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                torch.ops._c10d_functional.wait_tensor(item)
