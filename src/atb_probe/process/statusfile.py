@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import threading
 from typing import Callable
 
@@ -79,7 +78,7 @@ class StatusFile:
         if self._name is None or self._name == layout.status_file(devpid):
             return
         try:
-            os.unlink(os.path.join(self.tree.root, layout.STATUS_DIR, self._name))
+            self.tree.remove_file(layout.STATUS_DIR, self._name)
         except OSError:
             pass
         self._last = None

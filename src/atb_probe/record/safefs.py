@@ -141,6 +141,17 @@ class SafeTree:
         finally:
             os.close(dfd)
 
+    def remove_file(self, rel_dir: str, name: str) -> None:
+        """Remove `rel_dir/name` if it is there (a link is removed, never followed)."""
+        check_name(name, self.path(rel_dir))
+        dfd = self.ensure_dir(rel_dir)
+        try:
+            os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dfd)
+
     def append_lines(self, rel_dir: str, name: str, text: bytes, header: bytes = b"") -> int:
         """Append complete lines to `rel_dir/name`; a new file starts with `header`.
 
