@@ -175,6 +175,7 @@ class Engine:
         self._lock = threading.Lock()
         self.active_rounds = 0
         self.dumped_rounds_open = 0
+        self.models.after_fork()
         self.recorder.after_fork()
 
     @property

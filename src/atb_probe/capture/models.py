@@ -82,6 +82,10 @@ class ModelCatalog:
         self._model_counts: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def after_fork(self) -> None:
+        """In a forked child: a lock another thread held at the fork would stay held."""
+        self._lock = threading.Lock()
+
     def info(self, module) -> ModuleInfo:
         info = self._infos.get(module)
         if info is None:

@@ -280,6 +280,10 @@ class DeviceStatistics:
         cells.extend(c for _, c in part)
         counts.extend(t.numel() for t in tensors)
 
+    def after_fork(self) -> None:
+        """In a forked child: a lock another thread held at the fork would stay held."""
+        self._lock = threading.Lock()
+
     def landing(self) -> Landing | None:
         """What to wait for before reading the cells handed out so far: None when every batch
         is finished (always, without accelerators)."""

@@ -96,6 +96,7 @@ def _after_fork(ref) -> None:
     cache = ref()
     if cache is not None:
         cache._lock = threading.Lock()
+        cache.device.after_fork()
 
 
 class Queue:
