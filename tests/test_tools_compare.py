@@ -9,8 +9,10 @@ import subprocess
 import pytest
 import torch
 
-from atb_probe import cli
+from atb_probe import cli, load
+from atb_probe.statcsv import parse_shape
 from atb_probe.tools.compare import CompareError, compare_dumps
+from atb_probe.tools.comparison import PairMode
 from atb_probe.tools.resulttable import COLUMNS
 from atb_probe.tools.divergence import Thresholds
 from atb_probe.tools.dumpreader import open_dump
@@ -238,11 +240,34 @@ def test_layer_level_dumps_name_the_perturbed_layer(tmp_path_factory, tmp_path, 
     assert "First divergence: round 0, <code>3_LlamaDecoderLayer</code>" in report
 
 
-def test_metrics_are_finite_where_present(vs_broken):
-    for row in vs_broken.rows:
-        for column in ("cosine", "euc_distance", "max_abs_err", "max_rel_err"):
-            value = getattr(row.metrics, column)
-            assert value is None or math.isfinite(value)
+def test_every_tensor_mode_row_has_finite_metrics(vs_broken):
+    rows = [r for r in vs_broken.rows if r.mode == PairMode.TENSOR]
+    assert len(rows) > 900
+    for row in rows:
+        m = row.metrics
+        for value in (m.euc_distance, m.max_abs_err, m.max_rel_err, m.one_thousandth_ratio,
+                      m.five_thousandth_ratio):
+            assert value is not None and math.isfinite(value), row.name
+        # Cosine is not defined for a single element.
+        assert (m.cosine is None) == (math.prod(parse_shape(row.target.shape)) == 1), row.name
+        assert m.cosine is None or -1.0 <= m.cosine <= 1.0
+
+
+def test_the_perturbed_ops_metrics_are_those_of_its_data(golden, broken, vs_broken):
+    row = next(r for r in vs_broken.rows if r.name == f"{PERTURBED_OP}/output.0")
+    g = load(only_proc(golden / "atb_dump_data") / "0" / PERTURBED_OP / "after" /
+             "outtensor0.bin").double().flatten()
+    t = load(only_proc(broken / "atb_dump_data") / "0" / PERTURBED_OP / "after" /
+             "outtensor0.bin").double().flatten()
+    m = row.metrics
+    assert m.max_abs_err > 0
+    assert m.max_abs_err == pytest.approx((t - g).abs().max().item(), rel=1e-6)
+    assert m.euc_distance == pytest.approx(torch.linalg.vector_norm(t - g).item(), rel=1e-6)
+    assert m.cosine == pytest.approx(torch.nn.functional.cosine_similarity(g, t, dim=0).item(),
+                                     abs=1e-9)
+    # v_proj scaled by 1.1: every element is 10% off, far outside 1 and 5 per mille.
+    assert m.one_thousandth_ratio == m.five_thousandth_ratio == 0.0
+    assert m.max_rel_err == pytest.approx(0.1, rel=1e-3)
 
 
 # -- interoperability with mindstudio-probe ---------------------------------------------------

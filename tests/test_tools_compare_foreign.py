@@ -157,7 +157,7 @@ def test_show_and_parse_read_a_foreign_tree(trees, tmp_path, capsys):
     shown = capsys.readouterr().out
     assert "0_4242" in shown and "task=tensor" in shown and "1_LinearOperation" in shown
     counts = parse_path(str(golden), str(tmp_path / "npy"), "npy")
-    assert counts["written"] == 14 and not counts["failed"]
+    assert counts.written == 14 and not counts.failed
     linear_in = np.load(tmp_path / "npy/atb_dump_data/data/0_4242/0/1_LinearOperation/before/"
                         "intensor0.npy")
     gather_out = np.load(tmp_path / "npy/atb_dump_data/data/0_4242/0/0_GatherOperation/after/"

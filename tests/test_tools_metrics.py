@@ -4,23 +4,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from atb_probe.tools.comparison import PairResult, TensorRef
-from atb_probe.tools.divergence import Thresholds, crosses, first_divergence
-from atb_probe.tools.metrics import (StatsDiff, TensorMetrics, compare_arrays, stats_metrics,
-                                     tensor_metrics)
+from atb_probe.layout import Side
+from atb_probe.statcsv import Stats
+from atb_probe.tools.comparison import MatchMethod, PairMode, PairResult, TensorRef
+from atb_probe.tools.divergence import OpRows, Thresholds, crosses, first_divergence
+from atb_probe.tools.metrics import StatsDiff, TensorMetrics, compare_arrays, stats_metrics
 
 
 def test_identical_arrays_are_exactly_equal():
     a = np.linspace(-3, 5, 64, dtype=np.float32).reshape(8, 8)
-    m, note = tensor_metrics(a, a.copy())
-    assert note == ""
-    assert m == TensorMetrics(cosine=1.0, euc_distance=0.0, max_abs_err=0.0, max_rel_err=0.0,
-                              one_thousandth_ratio=1.0, five_thousandth_ratio=1.0)
+    compared = compare_arrays(a, a.copy())
+    assert compared.note == ""
+    assert compared.metrics == TensorMetrics(cosine=1.0, euc_distance=0.0, max_abs_err=0.0,
+                                             max_rel_err=0.0, one_thousandth_ratio=1.0,
+                                             five_thousandth_ratio=1.0)
 
 
 def test_a_one_percent_scale_has_known_errors():
     golden = np.arange(1, 101, dtype=np.float64)
-    m, _ = tensor_metrics(golden, golden * 1.01)
+    m = compare_arrays(golden, golden * 1.01).metrics
     assert m.cosine == pytest.approx(1.0)
     assert m.max_rel_err == pytest.approx(0.01)
     assert m.max_abs_err == pytest.approx(1.0)
@@ -33,53 +35,55 @@ def test_ratios_count_the_share_of_elements_within_the_bound():
     target = golden.copy()
     target[:3] += 0.002      # 2‰: outside 1‰, inside 5‰
     target[3] += 0.01        # 1%: outside both
-    m, _ = tensor_metrics(golden, target)
+    m = compare_arrays(golden, target).metrics
     assert m.one_thousandth_ratio == pytest.approx(0.6)
     assert m.five_thousandth_ratio == pytest.approx(0.9)
 
 
 def test_opposite_vectors_have_cosine_minus_one():
     g = np.array([1.0, 2.0, 3.0])
-    assert tensor_metrics(g, -g)[0].cosine == pytest.approx(-1.0)
+    assert compare_arrays(g, -g).metrics.cosine == pytest.approx(-1.0)
 
 
 def test_nan_at_the_same_places_is_ignored_and_elsewhere_flagged():
     g = np.array([1.0, np.nan, 3.0, np.inf])
-    m, note = tensor_metrics(g, g.copy())
-    assert note == "" and m.max_abs_err == 0.0
+    same = compare_arrays(g, g.copy())
+    assert same.note == "" and same.metrics.max_abs_err == 0.0
     t = np.array([1.0, 2.0, np.nan, np.inf])
-    m, note = tensor_metrics(g, t)
-    assert note.startswith("nan_mismatch") and m.cosine is None
+    elsewhere = compare_arrays(g, t)
+    assert elsewhere.note.startswith("nan_mismatch") and elsewhere.metrics.cosine is None
 
 
 def test_shape_mismatch_gives_no_metrics_and_says_why():
-    m, note = tensor_metrics(np.zeros((2, 3)), np.zeros((3, 2)))
-    assert m == TensorMetrics() and "shape differs" in note
+    compared = compare_arrays(np.zeros((2, 3)), np.zeros((3, 2)))
+    assert compared.metrics == TensorMetrics() and "shape differs" in compared.note
 
 
 def test_single_elements_have_no_cosine():
-    m, _ = tensor_metrics(np.array([2.0]), np.array([2.0]))
+    m = compare_arrays(np.array([2.0]), np.array([2.0])).metrics
     assert m.cosine is None and m.max_abs_err == 0.0
 
 
 def test_statistics_differences_follow_msprobe():
-    m = stats_metrics((4.0, -2.0, 0.0, 10.0), (5.0, -2.0, 1.0, 9.0))
+    m = stats_metrics(Stats(4.0, -2.0, 0.0, 10.0), Stats(5.0, -2.0, 1.0, 9.0))
     assert m.max_diff == 1.0 and m.max_rel_pct == 25.0
     assert m.min_diff == 0.0 and m.min_rel_pct == 0.0
     assert m.mean_diff == 1.0 and m.mean_rel_pct is None   # golden 0
     assert m.norm_diff == -1.0 and m.norm_rel_pct == 10.0
 
 
-def ref(order=0, io="output"):
-    return TensorRef("0_Op/output.0", "0_1", 0, "float", "4", None, None, order, "0_Op", io)
+def ref(order=0, io=Side.OUTPUT):
+    return TensorRef(data_name="0_Op/output.0", process="0_1", round_index=0, dtype="float",
+                     shape="4", stats=None, path=None, order=order, layer="0_Op", io=io)
 
 
-def row(mode="tensor", cos=1.0, ratio=1.0, rel_norm=None, g_norm=1.0, t_norm=1.0, note="",
-        diverged=None, order=0, io="output"):
-    return PairResult(ref(order, io), ref(order, io), "id", mode,
-                      TensorMetrics(cosine=cos, one_thousandth_ratio=ratio),
-                      StatsDiff(norm_rel_pct=rel_norm), (1.0, 0.0, 0.5, g_norm),
-                      (1.0, 0.0, 0.5, t_norm), diverged, note)
+def row(mode=PairMode.TENSOR, cos=1.0, ratio=1.0, rel_norm=None, g_norm=1.0, t_norm=1.0,
+        note="", diverged=None, order=0, io=Side.OUTPUT):
+    return PairResult(ref(order, io), ref(order, io), MatchMethod.ID, mode,
+                      metrics=TensorMetrics(cosine=cos, one_thousandth_ratio=ratio),
+                      diffs=StatsDiff(norm_rel_pct=rel_norm),
+                      golden_stats=Stats(1.0, 0.0, 0.5, g_norm),
+                      target_stats=Stats(1.0, 0.0, 0.5, t_norm), diverged=diverged, note=note)
 
 
 def test_default_thresholds_are_those_of_the_issue():
@@ -88,20 +92,22 @@ def test_default_thresholds_are_those_of_the_issue():
     assert not crosses(row(cos=0.995, ratio=0.95), th)
     assert crosses(row(cos=None, ratio=None, note="nan_mismatch: x"), th)
     assert crosses(row(cos=None, ratio=None), th) is None
-    assert crosses(row("statistics", rel_norm=1.5), th)
-    assert not crosses(row("statistics", rel_norm=0.5), th)
-    assert crosses(row("statistics", rel_norm=None, g_norm=0.0, t_norm=0.3), th)
-    assert crosses(row("no data"), th) is None
+    assert crosses(row(PairMode.STATISTICS, rel_norm=1.5), th)
+    assert not crosses(row(PairMode.STATISTICS, rel_norm=0.5), th)
+    assert crosses(row(PairMode.STATISTICS, rel_norm=None, g_norm=0.0, t_norm=0.3), th)
+    assert crosses(row(PairMode.NO_DATA), th) is None
 
 
 def test_first_divergence_skips_ops_whose_inputs_already_differ():
-    def r(diverged, order):
-        return row(diverged=diverged, order=order)
-    ops = [
-        (0, "0_A", "0_A", [r(False, 0)], [r(False, 1)]),
-        (0, "1_B", "1_B", [r(True, 2)], [r(True, 3)]),   # bad input: not the origin
-        (0, "2_C", "2_C", [r(False, 4)], [r(True, 5)]),
-    ]
+    def r(diverged, order, io):
+        return row(diverged=diverged, order=order, io=io)
+
+    def op(path, input_diverged, output_diverged, order):
+        return OpRows(0, path, path, [r(input_diverged, order, Side.INPUT)],
+                      [r(output_diverged, order + 1, Side.OUTPUT)])
+    ops = [op("0_A", False, False, 0),
+           op("1_B", True, True, 2),        # bad input: not the origin
+           op("2_C", False, True, 4)]
     f = first_divergence(ops, Thresholds())
     assert f.op_path == "2_C" and f.inputs_clean
     f = first_divergence(ops[:2], Thresholds())
@@ -115,7 +121,9 @@ def test_chunked_metrics_equal_the_whole_array_definitions():
     golden = rng.standard_normal(100_003).astype(np.float32)
     golden[::97] = 0.0
     target = (golden * (1 + rng.standard_normal(golden.size) * 1e-3)).astype(np.float32)
-    m, note, g_stats, t_stats = compare_arrays(golden, target)
+    compared = compare_arrays(golden, target)
+    m, note, g_stats, t_stats = (compared.metrics, compared.note, compared.golden_stats,
+                                 compared.target_stats)
     g, t = golden.astype(np.float64), target.astype(np.float64)
     eps = np.finfo(np.float32).eps
     gw, tw = golden.copy(), target.copy()
@@ -130,12 +138,12 @@ def test_chunked_metrics_equal_the_whole_array_definitions():
     assert m.max_rel_err == pytest.approx(float(rel.max()), rel=1e-6)
     assert m.one_thousandth_ratio == np.mean(rel < 0.001)
     assert g_stats == pytest.approx((g.max(), g.min(), g.mean(), np.linalg.norm(g)), rel=1e-9)
-    assert t_stats[3] == pytest.approx(np.linalg.norm(t), rel=1e-12)
+    assert t_stats.norm == pytest.approx(np.linalg.norm(t), rel=1e-12)
 
 
 def test_size_one_dimensions_are_ignored_only_when_asked():
     a = np.arange(12, dtype=np.float32)
-    m, note, _, _ = compare_arrays(a.reshape(1, 3, 4), a.reshape(3, 4), loose_shapes=True)
-    assert note == "" and m.max_abs_err == 0.0 and m.cosine == 1.0
-    m, note = tensor_metrics(a.reshape(1, 3, 4), a.reshape(3, 4))
-    assert m == TensorMetrics() and "shape differs" in note
+    loose = compare_arrays(a.reshape(1, 3, 4), a.reshape(3, 4), loose_shapes=True)
+    assert loose.note == "" and loose.metrics.max_abs_err == 0.0 and loose.metrics.cosine == 1.0
+    strict = compare_arrays(a.reshape(1, 3, 4), a.reshape(3, 4))
+    assert strict.metrics == TensorMetrics() and "shape differs" in strict.note

@@ -67,7 +67,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_parse_to_pt_round_trips_every_dtype(dtype_dump, tmp_path):
     root, tensors = dtype_dump
     counts = parse_path(str(root), str(tmp_path), "pt")
-    assert counts["written"] == 2 * len(DTYPES) and not counts["failed"]
+    assert counts.written == 2 * len(DTYPES) and not counts.failed
     op = tmp_path / only_proc(root).relative_to(root) / "0" / "0_Passthrough"
     for i, original in enumerate(tensors):
         for side, name in (("before", f"intensor{i}.pt"), ("after", f"outtensor{i}.pt")):
@@ -96,7 +96,7 @@ def test_parse_resolves_reference_files_to_the_bytes_they_point_at(tmp_path):
     root = dump(tmp_path / "d", config(save_child=True, filter_level=1), lambda: model(x))
     refs = [p for p in root.rglob("*.bin") if read_header(p).is_reference]
     assert refs, "a save_child dump at filter_level 1 has reference files"
-    assert parse_path(str(root), str(tmp_path / "npy"), "npy")["written"] == \
+    assert parse_path(str(root), str(tmp_path / "npy"), "npy").written == \
         len(list(root.rglob("*.bin")))
     for ref in refs:
         parsed = np.load(tmp_path / "npy" / ref.relative_to(root).with_suffix(".npy"))

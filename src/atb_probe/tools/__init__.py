@@ -1,6 +1,16 @@
 """The command line's subcommands, one module each, and what they share."""
 from __future__ import annotations
 
+import enum
+
+
+class StrEnum(str, enum.Enum):
+    """A closed set of strings (Python 3.11's `enum.StrEnum`, for 3.10): a member compares, hashes
+    and prints as its text, so it goes into output as it is."""
+
+    def __str__(self) -> str:
+        return self.value
+
 
 def size_text(n) -> str:
     """A byte count for people: `512 B`, `1.5 KiB`, `3.2 GiB`."""

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
-from .dumpreader import Dump, Op, Process, Round, TensorRecord
+from .. import layout
+from ..statcsv import parse_shape
+from . import StrEnum
+from .comparison import MatchMethod, Role
+from .dumpreader import Dump, DumpLevel, Op, Process, Round, TensorRecord
 from .opmap import OpMap
-
-_METHOD_RANK = {"id": 0, "name": 1, "map": 2, "order": 3}
 
 
 @dataclass(slots=True)
@@ -40,39 +43,74 @@ class OpNode:
 
     own_id: str
     name: str
+    op_id: str                   # `2_1`
     path: str                    # `2_LlamaDecoderLayer/1_LlamaAttention`
     op: Op | None = None
-    children: list["OpNode"] = field(default_factory=list)
+    children: list[OpNode] = field(default_factory=list)
 
     def count(self) -> int:
         """Ops in this subtree that have tensors."""
         return (self.op is not None) + sum(c.count() for c in self.children)
 
 
+@dataclass(frozen=True, slots=True)
+class NodePair:
+    """Two sibling ops of the two sides paired, and how."""
+
+    golden: OpNode
+    target: OpNode
+    method: MatchMethod
+
+
 @dataclass(slots=True)
 class TensorPair:
     golden: TensorRecord
     target: TensorRecord
-    method: str                  # id | name | map | order: how the ops on the way were paired
+    method: MatchMethod          # how the ops on the way were paired
 
 
 @dataclass(slots=True)
 class OpPair:
     golden: Op
     target: Op
-    method: str
+    method: MatchMethod
     tensors: list[TensorPair]
+
+
+class UnmatchedKind(StrEnum):
+    """What an unmatched entry stands for."""
+
+    PROCESS = "process"
+    ROUND = "round"
+    OP = "op"                    # an op and its subtree
+    TENSOR = "tensor"
 
 
 @dataclass(slots=True)
 class Unmatched:
     """Something only one side has: a process, a round, an op subtree or a tensor."""
 
-    side: str                    # golden | target
-    kind: str                    # process | round | op | tensor
+    side: Role                   # the side that has it
+    kind: UnmatchedKind
     where: str                   # `0_1234/0`
     what: str                    # the op path or tensor name
     count: int = 1               # ops (or tensors) it stands for
+
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Paired(Generic[T]):
+    """Two sides' things paired: the pairs, and what only one side has."""
+
+    pairs: list[T] = field(default_factory=list)
+    unmatched: list[Unmatched] = field(default_factory=list)
+
+    def add(self, other: Paired[T]) -> None:
+        """Take in the pairs and the unmatched entries of `other`, after these."""
+        self.pairs += other.pairs
+        self.unmatched += other.unmatched
 
 
 @dataclass(slots=True)
@@ -89,63 +127,68 @@ class Alignment:
 
     @property
     def name_matched(self) -> int:
-        return sum(1 for r in self.rounds for o in r.ops if o.method != "id")
+        return sum(1 for r in self.rounds for o in r.ops if o.method != MatchMethod.ID)
 
 
 def align_dumps(golden: Dump, target: Dump, opmap: OpMap | None = None) -> Alignment:
     """Pair everything pairable in two dumps opened at the same level."""
-    unmatched: list[Unmatched] = []
-    rounds: list[RoundPair] = []
-    for g, t in pair_rounds(golden, target, unmatched):
-        rounds.append(RoundPair(g, t, align_rounds(g, t, unmatched, opmap)))
-    return Alignment(rounds, unmatched)
+    rounds = pair_rounds(golden, target)
+    unmatched = list(rounds.unmatched)
+    pairs: list[RoundPair] = []
+    for g, t in rounds.pairs:
+        ops = align_rounds(g, t, opmap)
+        pairs.append(RoundPair(g, t, ops.pairs))
+        unmatched += ops.unmatched
+    return Alignment(pairs, unmatched)
 
 
-def pair_rounds(golden: Dump, target: Dump, unmatched: list[Unmatched]
-                ) -> list[tuple[Round, Round]]:
+def pair_rounds(golden: Dump, target: Dump) -> Paired[tuple[Round, Round]]:
     """The rounds of two dumps that correspond: same process (device), same round number."""
-    pairs = []
-    for gp, tp in _pair_processes(golden.processes, target.processes, unmatched):
+    processes = _pair_processes(golden.processes, target.processes)
+    out: Paired[tuple[Round, Round]] = Paired(unmatched=processes.unmatched)
+    for gp, tp in processes.pairs:
         g_rounds = {r.index: r for r in gp.rounds}
         t_rounds = {r.index: r for r in tp.rounds}
-        if golden.kind == "round" and target.kind == "round":
+        if golden.kind == DumpLevel.ROUND and target.kind == DumpLevel.ROUND:
             # Two round folders given by hand: compare them whatever their numbers.
             g_rounds = {0: gp.rounds[0]}
             t_rounds = {0: tp.rounds[0]}
         for index in sorted(set(g_rounds) | set(t_rounds)):
             g, t = g_rounds.get(index), t_rounds.get(index)
             if g is None or t is None:
-                side, r = ("golden", g) if t is None else ("target", t)
-                unmatched.append(Unmatched(side, "round", f"{r.process.name}/{r.index}",
-                                           f"round {r.index}", len(r.ops)))
+                side, r = (Role.GOLDEN, g) if t is None else (Role.TARGET, t)
+                out.unmatched.append(Unmatched(side, UnmatchedKind.ROUND, r.where,
+                                               f"round {r.index}", len(r.ops)))
                 continue
-            pairs.append((g, t))
-    return pairs
+            out.pairs.append((g, t))
+    return out
 
 
-def _pair_processes(golden: list[Process], target: list[Process],
-                    unmatched: list[Unmatched]) -> list[tuple[Process, Process]]:
+def _pair_processes(golden: list[Process], target: list[Process]
+                    ) -> Paired[tuple[Process, Process]]:
     """Pair by device ID (PIDs differ from run to run); a single pair is paired as is."""
     if len(golden) == 1 and len(target) == 1:
-        return [(golden[0], target[0])]
-    pairs = []
+        return Paired([(golden[0], target[0])])
+    out: Paired[tuple[Process, Process]] = Paired()
     by_device: dict[int, tuple[list[Process], list[Process]]] = {}
     for side, procs in ((0, golden), (1, target)):
         for p in procs:
             by_device.setdefault(p.device, ([], []))[side].append(p)
     for device in sorted(by_device):
         g_list, t_list = by_device[device]
-        pairs.extend(zip(g_list, t_list))
-        for side, rest in (("golden", g_list[len(t_list):]), ("target", t_list[len(g_list):])):
+        out.pairs.extend(zip(g_list, t_list))
+        for side, rest in ((Role.GOLDEN, g_list[len(t_list):]),
+                           (Role.TARGET, t_list[len(g_list):])):
             for p in rest:
-                unmatched.append(Unmatched(side, "process", p.name, f"process {p.name}",
-                                           sum(len(r.ops) for r in p.rounds)))
-    return pairs
+                out.unmatched.append(Unmatched(side, UnmatchedKind.PROCESS, p.name,
+                                               f"process {p.name}",
+                                               sum(len(r.ops) for r in p.rounds)))
+    return out
 
 
 def build_tree(rnd: Round) -> OpNode:
     """The round's op tree, children in ID order (which is execution order)."""
-    root = OpNode("", "", "")
+    root = OpNode("", "", "", "")
     index: dict[tuple[str, ...], OpNode] = {(): root}
     for op in rnd.ops:
         ids, names = op.op_id.split("_"), op.op_name.split("/")
@@ -155,8 +198,9 @@ def build_tree(rnd: Round) -> OpNode:
             child = index.get(key)
             if child is None:
                 own, name = ids[depth - 1], names[depth - 1]
-                path = f"{node.path}/{own}_{name}" if node.path else f"{own}_{name}"
-                child = OpNode(own, name, path)
+                path = layout.child_op_dir(node.path, own, name) if node.path \
+                    else layout.op_folder(own, name)
+                child = OpNode(own, name, "_".join(key), path)
                 index[key] = child
                 node.children.append(child)
             node = child
@@ -179,63 +223,81 @@ class Where:
     golden: str
     target: str
 
-    def of(self, side: str) -> str:
-        return self.golden if side == "golden" else self.target
+    def of(self, side: Role) -> str:
+        return self.golden if side == Role.GOLDEN else self.target
 
 
-def align_rounds(golden: Round, target: Round, unmatched: list[Unmatched],
-                 opmap: OpMap | None = None) -> list[OpPair]:
-    """Pairs of ops of two rounds, in the target's execution order."""
-    # Each side's entries name that side's process and round.
-    where = Where(f"{golden.process.name}/{golden.index}", f"{target.process.name}/{target.index}")
-    pairs: list[OpPair] = []
-    _align_nodes(build_tree(golden), build_tree(target), "id", pairs, unmatched, where,
-                 opmap or OpMap())
-    pairs.sort(key=lambda p: p.target.tensors[0].order)
-    return pairs
+def align_rounds(golden: Round, target: Round, opmap: OpMap | None = None) -> Paired[OpPair]:
+    """Pairs of ops of two rounds, in the target's execution order, and what only one side
+    has (each side's entries name that side's process and round)."""
+    aligner = _TreeAligner(Where(golden.where, target.where), opmap or OpMap())
+    out = aligner.subtrees(build_tree(golden), build_tree(target), MatchMethod.ID)
+    out.pairs.sort(key=lambda p: p.target.tensors[0].order)
+    return out
 
 
-def _align_nodes(g: OpNode, t: OpNode, method: str, pairs: list[OpPair],
-                 unmatched: list[Unmatched], where: Where, opmap: OpMap) -> None:
-    if g.op is not None and t.op is not None:
-        if g.name == t.name:
-            tensors = _align_tensors(g.op, t.op, method, unmatched, where)
+@dataclass(frozen=True, slots=True)
+class _TreeAligner:
+    """Aligns the op trees of one pair of rounds."""
+
+    where: Where
+    opmap: OpMap
+
+    def subtrees(self, g: OpNode, t: OpNode, method: MatchMethod) -> Paired[OpPair]:
+        """The op pairs of two matched nodes and of everything below them; `method`: how
+        the two were paired."""
+        out: Paired[OpPair] = Paired()
+        if g.op is not None and t.op is not None:
+            tensors = self.tensors(g, t, method)
+            out.pairs.append(OpPair(g.op, t.op, method, tensors.pairs))
+            out.unmatched += tensors.unmatched
+        elif g.op is not None or t.op is not None:
+            side, node = (Role.GOLDEN, g) if g.op is not None else (Role.TARGET, t)
+            out.unmatched.append(Unmatched(side, UnmatchedKind.OP, self.where.of(side),
+                                           node.path + " (tensors)", len(node.op.tensors)))
+        if g.path == "":
+            children = _pair_layers(g.children, t.children, self.opmap)
         else:
-            tensors = _align_by_shape(g.op, t.op, method, unmatched, where, opmap)
-        pairs.append(OpPair(g.op, t.op, method, tensors))
-    elif g.op is not None or t.op is not None:
-        side, node = ("golden", g) if g.op is not None else ("target", t)
-        unmatched.append(Unmatched(side, "op", where.of(side), node.path + " (tensors)",
-                                   len(node.op.tensors)))
-    if g.path == "":
-        matched = _pair_layers(g.children, t.children, opmap)
-    else:
-        matched = _pair_children(g.children, t.children, opmap)
-    paired_g = {id(a) for a, _, _ in matched}
-    paired_t = {id(b) for _, b, _ in matched}
-    for a, b, level_method in matched:
-        child_method = max(method, level_method, key=_METHOD_RANK.__getitem__)
-        _align_nodes(a, b, child_method, pairs, unmatched, where, opmap)
-    for side, nodes, paired in (("golden", g.children, paired_g),
-                                ("target", t.children, paired_t)):
-        for node in nodes:
-            if id(node) not in paired and node.count():
-                unmatched.append(Unmatched(side, "op", where.of(side), node.path, node.count()))
+            children = _pair_children(g.children, t.children, self.opmap)
+        for pair in children:
+            out.add(self.subtrees(pair.golden, pair.target, method.looser(pair.method)))
+        paired = {id(p.golden) for p in children} | {id(p.target) for p in children}
+        for side, parent in ((Role.GOLDEN, g), (Role.TARGET, t)):
+            for node in parent.children:
+                if id(node) not in paired and node.count():
+                    out.unmatched.append(Unmatched(side, UnmatchedKind.OP, self.where.of(side),
+                                                   node.path, node.count()))
+        return out
+
+    def tensors(self, g: OpNode, t: OpNode, method: MatchMethod) -> Paired[TensorPair]:
+        """The tensors of two paired ops (nodes with tensors), in the target's order, and
+        those left over."""
+        if g.name == t.name:
+            pairs = _pair_tensors(g.op, t.op, method)
+        else:
+            pairs = _pair_by_shape(g.op, t.op, method, self.opmap)
+        pairs.sort(key=lambda p: p.target.order)
+        used = {id(p.golden) for p in pairs} | {id(p.target) for p in pairs}
+        return Paired(pairs, [Unmatched(side, UnmatchedKind.TENSOR, self.where.of(side),
+                                        x.data_name)
+                              for side, node in ((Role.GOLDEN, g), (Role.TARGET, t))
+                              for x in node.op.tensors if id(x) not in used])
 
 
-def _by_id(golden: list[OpNode], target: list[OpNode]):
+def _by_id(golden: list[OpNode], target: list[OpNode]) -> list[NodePair] | None:
     """Pairs by (ID, name) when one side's keys are all in the other's, else None."""
     g_keys = {(c.own_id, c.name): c for c in golden}
     t_keys = {(c.own_id, c.name): c for c in target}
     common = g_keys.keys() & t_keys.keys()
     if len(common) == len(g_keys) or len(common) == len(t_keys):
         ordered = [k for k in ((c.own_id, c.name) for c in target) if k in common]
-        return [(g_keys[k], t_keys[k], "id") for k in ordered]
+        return [NodePair(g_keys[k], t_keys[k], MatchMethod.ID) for k in ordered]
     return None
 
 
-def _pair_children(golden: list[OpNode], target: list[OpNode], opmap: OpMap):
-    """(golden, target, method) pairs of two lists of sibling ops below the layer level."""
+def _pair_children(golden: list[OpNode], target: list[OpNode], opmap: OpMap
+                   ) -> list[NodePair]:
+    """The pairs of two lists of sibling ops below the layer level."""
     by_id = _by_id(golden, target)
     if by_id is not None:
         return by_id
@@ -245,24 +307,38 @@ def _pair_children(golden: list[OpNode], target: list[OpNode], opmap: OpMap):
     for block in matcher.get_matching_blocks():
         for k in range(block.size):
             a, b = golden[block.a + k], target[block.b + k]
-            pairs.append((a, b, "name" if a.name == b.name else "map"))
+            pairs.append(NodePair(a, b, MatchMethod.NAME if a.name == b.name
+                                  else MatchMethod.MAP))
     return pairs
 
 
-def _pair_layers(golden: list[OpNode], target: list[OpNode], opmap: OpMap):
-    """(golden, target, method) pairs of two rounds' layer-level ops: by ID when they agree,
-    else the order-keeping alignment of most weight (names first, then output shapes)."""
+@dataclass(frozen=True, slots=True)
+class _LayerKey:
+    """What the alignment of layer-level ops weighs."""
+
+    name: str                    # as the op map names it
+    outputs: tuple | None        # the squeezed shapes of its outputs
+    mapped: bool                 # the op map names it
+
+    @classmethod
+    def of(cls, node: OpNode, opmap: OpMap) -> _LayerKey:
+        return cls(opmap.canonical(node.name), _out_shapes(node), opmap.names(node.name))
+
+
+def _pair_layers(golden: list[OpNode], target: list[OpNode], opmap: OpMap) -> list[NodePair]:
+    """The pairs of two rounds' layer-level ops: by ID when they agree, else the
+    order-keeping alignment of most weight (names first, then output shapes)."""
     by_id = _by_id(golden, target)
     if by_id is not None:
         return by_id
-    g_keys = [(opmap.canonical(c.name), _out_shapes(c), opmap.names(c.name)) for c in golden]
-    t_keys = [(opmap.canonical(c.name), _out_shapes(c), opmap.names(c.name)) for c in target]
+    g_keys = [_LayerKey.of(c, opmap) for c in golden]
+    t_keys = [_LayerKey.of(c, opmap) for c in target]
 
     def weight(i: int, j: int) -> int:
-        (gn, gs, g_named), (tn, ts, t_named) = g_keys[i], t_keys[j]
-        if gn == tn:
-            return 4 + (gs == ts)
-        if gs is not None and gs == ts and not (g_named or t_named):
+        g, t = g_keys[i], t_keys[j]
+        if g.name == t.name:
+            return 4 + (g.outputs == t.outputs)
+        if g.outputs is not None and g.outputs == t.outputs and not (g.mapped or t.mapped):
             return 2
         return 0
 
@@ -279,8 +355,13 @@ def _pair_layers(golden: list[OpNode], target: list[OpNode], opmap: OpMap):
         w = weight(i, j)
         if w and best[i][j] == best[i + 1][j + 1] + w:
             a, b = golden[i], target[j]
-            method = "name" if a.name == b.name else ("map" if w >= 4 else "order")
-            pairs.append((a, b, method))
+            if a.name == b.name:
+                method = MatchMethod.NAME
+            elif w >= 4:                 # the map names them alike
+                method = MatchMethod.MAP
+            else:
+                method = MatchMethod.ORDER
+            pairs.append(NodePair(a, b, method))
             i, j = i + 1, j + 1
         elif best[i][j] == best[i + 1][j]:
             i += 1
@@ -293,17 +374,22 @@ def _out_shapes(node: OpNode) -> tuple | None:
     """The shapes of an op's outputs without size-1 dimensions; None when it has none."""
     if node.op is None:
         return None
-    shapes = tuple(squeezed(t.shape) for t in node.op.tensors if t.io == "output")
+    shapes = tuple(squeezed(t.shape) for t in node.op.outputs)
     return shapes or None
 
 
-def squeezed(shape: str) -> tuple[str, ...]:
-    """A csv shape (`1x4x32`) without its size-1 dimensions: `('4', '32')`."""
-    return tuple(d for d in shape.split("x") if d and d != "1")
+def squeezed(shape: str) -> tuple[int, ...] | str:
+    """A Shape cell's dimensions without those of size 1 (`1x4x32` -> (4, 32)); text that is
+    no shape (`?`) as it is, equal only to the same text."""
+    try:
+        return tuple(d for d in parse_shape(shape) if d != 1)
+    except ValueError:
+        return shape
 
 
-def _align_tensors(g: Op, t: Op, method: str, unmatched: list[Unmatched],
-                   where: Where) -> list[TensorPair]:
+def _pair_tensors(g: Op, t: Op, method: MatchMethod) -> list[TensorPair]:
+    """The tensors of two ops of one name: by (side, index), else by (side, the index's
+    leading number)."""
     g_by = {(x.io, x.index): x for x in g.tensors}
     pairs, left_t = [], []
     for x in t.tensors:
@@ -315,55 +401,39 @@ def _align_tensors(g: Op, t: Op, method: str, unmatched: list[Unmatched],
     if left_t and g_by:
         # Same position, other parameter name (`intensor0_x` vs `intensor0_input`).
         by_number = {(y.io, y.index.partition("_")[0]): key for key, y in g_by.items()}
-        still = []
         for x in left_t:
             key = by_number.pop((x.io, x.index.partition("_")[0]), None)
-            if key is None:
-                still.append(x)
-            else:
+            if key is not None:
                 pairs.append(TensorPair(g_by.pop(key), x, method))
-        left_t = still
-    for side, rest in (("golden", list(g_by.values())), ("target", left_t)):
-        for x in rest:
-            unmatched.append(Unmatched(side, "tensor", where.of(side), x.data_name))
-    pairs.sort(key=lambda p: p.target.order)
     return pairs
 
 
-def _align_by_shape(g: Op, t: Op, method: str, unmatched: list[Unmatched], where: Where,
-                    opmap: OpMap) -> list[TensorPair]:
+def _pair_by_shape(g: Op, t: Op, method: MatchMethod, opmap: OpMap) -> list[TensorPair]:
     """The tensors of two ops that are the same computation under different names."""
     pairs: list[TensorPair] = []
     g_out, t_out = g.outputs, t.outputs
     given = opmap.output_pairs(g.op_name.rsplit("/", 1)[-1], t.op_name.rsplit("/", 1)[-1])
-    used_g, used_t = set(), set()
+    shape = {id(x): squeezed(x.shape) for x in g.tensors + t.tensors}
+    used = set()
     if given is not None:
         for gi, ti in given.items():
             if gi < len(g_out) and ti < len(t_out):
                 pairs.append(TensorPair(g_out[gi], t_out[ti], method))
-                used_g.add(id(g_out[gi]))
-                used_t.add(id(t_out[ti]))
+                used.update((id(g_out[gi]), id(t_out[ti])))
     else:
         for x, y in zip(g_out, t_out):
-            if squeezed(x.shape) == squeezed(y.shape):
+            if shape[id(x)] == shape[id(y)]:
                 pairs.append(TensorPair(x, y, method))
-                used_g.add(id(x))
-                used_t.add(id(y))
+                used.update((id(x), id(y)))
     for g_list, t_list in ((g_out, t_out), (g.inputs, t.inputs)):
         if given is not None and g_list is g_out:
             continue
         for y in t_list:
-            if id(y) in used_t:
+            if id(y) in used:
                 continue
             for x in g_list:
-                if id(x) not in used_g and squeezed(x.shape) == squeezed(y.shape):
+                if id(x) not in used and shape[id(x)] == shape[id(y)]:
                     pairs.append(TensorPair(x, y, method))
-                    used_g.add(id(x))
-                    used_t.add(id(y))
+                    used.update((id(x), id(y)))
                     break
-    for side, tensors, used in (("golden", g.tensors, used_g), ("target", t.tensors, used_t)):
-        for x in tensors:
-            if id(x) not in used:
-                unmatched.append(Unmatched(side, "tensor", where.of(side), x.data_name))
-    pairs.sort(key=lambda p: p.target.order)
     return pairs

@@ -20,82 +20,100 @@ are collected here, in execution order.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
+from dataclasses import dataclass
 
+from ..layout import Side
+from ..statcsv import is_empty_shape, parse_shape
 from . import extras
-from .align import Alignment, Unmatched, align_dumps
+from .align import Alignment, Unmatched, UnmatchedKind, align_dumps
 from .arrays import ReadBuffer, load_values
-from .comparison import CompareError, CompareResult, PairResult, TensorRef
-from .divergence import Finding, Thresholds, crosses, first_divergence
-from .dumpreader import DumpError, NoData, open_dump
+from .comparison import (CompareError, CompareMode, CompareResult, MatchMethod, PairMode,
+                         PairResult, RefPair, Role, RoundNumbers, TensorRef)
+from .divergence import Finding, OpRows, Thresholds, crosses, first_divergence
+from .dumpreader import DumpError, DumpLevel, NoData, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import array_stats, compare_arrays, stats_metrics
 from .opmap import OpMap, load_map
 from .scan import scan_compared
 
-MODES = ("auto", "tensor", "statistics")
+MODES = tuple(mode.value for mode in CompareMode)
 BATCH_ELEMENTS = 1 << 23     # elements per batch sent to a worker (32 MB of float32 per side)
 BATCH_PAIRS = 512            # and at most this many pairs: small tensors cost per file
 
 
-def compare_dumps(golden: str, target: str, mode: str = "auto",
+@dataclass(slots=True)
+class _OpSpan:
+    """A compared op pair and the place of its tensor pairs in the work: `[start, end)`."""
+
+    round_index: int
+    op_path: str                 # the target's
+    golden_op_path: str
+    start: int
+    end: int
+
+    def rows(self, rows: list[PairResult]) -> OpRows:
+        """The op with the compared rows of its tensors (`rows`: the results of the work)."""
+        own = rows[self.start:self.end]
+        return OpRows(self.round_index, self.op_path, self.golden_op_path,
+                      [r for r in own if r.io == Side.INPUT],
+                      [r for r in own if r.io == Side.OUTPUT])
+
+
+def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMode.AUTO,
                   thresholds: Thresholds = Thresholds(), progress=None, jobs: int = 1,
                   opmap: OpMap | None = None, batch_elements: int = BATCH_ELEMENTS
                   ) -> CompareResult:
     """Compare two dumps; `progress(total)` may return a callable advanced by a count of
     tensor pairs as they are done. `jobs` > 1 compares batches of pairs in that many worker
     processes at once."""
-    if mode not in MODES:
-        raise CompareError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+    try:
+        mode = CompareMode(mode)
+    except ValueError:
+        raise CompareError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}") from None
     try:
         g_dump, t_dump = open_dump(golden), open_dump(target)
     except DumpError as exc:
         raise CompareError(str(exc)) from None
-    if (g_dump.kind == "round") != (t_dump.kind == "round"):
+    if (g_dump.kind == DumpLevel.ROUND) != (t_dump.kind == DumpLevel.ROUND):
         raise CompareError(
             f"GOLDEN is a {g_dump.kind} folder but TARGET is a {t_dump.kind} folder: give two "
             "round folders (data/<dev>_<pid>/<round>), or two dump roots / process folders")
     alignment: Alignment = align_dumps(g_dump, t_dump, opmap)
-    work: list[tuple[TensorRef, TensorRef, str]] = []
-    ops = []         # (round index, target op path, golden op path, first, end) into `work`
+    work: list[RefPair] = []
+    spans: list[_OpSpan] = []
     round_ends = []
     for rp in alignment.rounds:
         round_ends.append(len(work))
         for op in rp.ops:
-            first = len(work)
+            start = len(work)
             # An allocation kernel's output holds whatever the memory held: nothing to compare.
-            work.extend((TensorRef.of(p.golden), TensorRef.of(p.target), p.method)
+            work.extend(RefPair(TensorRef.of(p.golden), TensorRef.of(p.target), p.method)
                         for p in op.tensors
                         if not (p.golden.uninitialized or p.target.uninitialized))
-            ops.append((rp.target.index, op.target.op_path, op.golden.op_path, first,
-                        len(work)))
+            spans.append(_OpSpan(rp.target.index, op.target.op_path, op.golden.op_path, start,
+                                 len(work)))
     rows = run_pairs(work, mode, jobs, progress, batch_elements)
     for row in rows:
         row.diverged = crosses(row, thresholds)
-    op_order = []
-    for round_index, t_path, g_path, first, end in ops:
-        in_rows = [r for r in rows[first:end] if r.io == "input"]
-        out_rows = [r for r in rows[first:end] if r.io == "output"]
-        done = min((r.order for r in out_rows), default=None)
-        if done is None:
-            done = max((r.order for r in in_rows), default=0)
-        op_order.append(((round_index, done), (round_index, t_path, g_path, in_rows, out_rows)))
-    op_order.sort(key=lambda item: item[0])
-    finding = first_divergence((item for _, item in op_order), thresholds)
+    ops = sorted((span.rows(rows) for span in spans), key=lambda op: op.finished)
+    finding = first_divergence(ops, thresholds)
     round_ends.append(len(rows))
     rows = [r for start, end in zip(round_ends, round_ends[1:])
             for r in sorted(rows[start:end], key=lambda r: r.order)]
     if finding is not None:
         finding.first_inside = _first_inside(rows, finding)
     return CompareResult(g_dump.path, t_dump.path, mode, thresholds, rows, alignment.unmatched,
-                         finding, [(rp.golden.index, rp.target.index) for rp in alignment.rounds],
+                         finding, [RoundNumbers(rp.golden.index, rp.target.index)
+                                   for rp in alignment.rounds],
                          alignment.name_matched, scan_compared(rows), max(1, jobs))
 
 
-def run_pairs(work: list[tuple[TensorRef, TensorRef, str]], mode: str, jobs: int = 1,
-              progress=None, batch_elements: int = BATCH_ELEMENTS) -> list[PairResult]:
+def run_pairs(work: list[RefPair], mode: CompareMode, jobs: int = 1, progress=None,
+              batch_elements: int = BATCH_ELEMENTS) -> list[PairResult]:
     """Compare every pair of `work`, in order; in `jobs` processes when there is more than one
     batch of work. Memory: each job holds one pair of tensors (and its chunk buffers) at a
     time."""
@@ -118,12 +136,12 @@ def run_pairs(work: list[tuple[TensorRef, TensorRef, str]], mode: str, jobs: int
     return rows
 
 
-def _batches(work, batch_elements: int) -> list[list]:
+def _batches(work: list[RefPair], batch_elements: int) -> list[list[RefPair]]:
     """Consecutive pairs in batches of about `batch_elements` elements to read (a pair without
     files costs nothing: a statistics dump is one batch, compared here)."""
     batches, current, size = [], [], 0
     for item in work:
-        n = max(_numel(ref.shape) if ref.path else 0 for ref in item[:2])
+        n = max(_numel(ref.shape) if ref.path else 0 for ref in (item.golden, item.target))
         if current and (size + n > batch_elements or len(current) >= BATCH_PAIRS):
             batches.append(current)
             current, size = [], 0
@@ -135,16 +153,16 @@ def _batches(work, batch_elements: int) -> list[list]:
 
 
 def _numel(shape: str) -> int:
-    n = 1
-    for d in shape.split("x"):
-        n *= int(d) if d.isdigit() else 1
-    return n
+    """The elements of a tensor by its Shape cell; 0 for one whose shape is not known."""
+    try:
+        return math.prod(parse_shape(shape))
+    except ValueError:
+        return 0
 
 
-def compare_batch(batch: list[tuple[TensorRef, TensorRef, str]], mode: str
-                  ) -> list[PairResult]:
+def compare_batch(batch: list[RefPair], mode: CompareMode) -> list[PairResult]:
     """The results of a batch of pairs (run in a worker process)."""
-    return [compare_pair(g, t, mode, match) for g, t, match in batch]
+    return [compare_pair(p.golden, p.target, mode, p.match) for p in batch]
 
 
 def _first_inside(rows: list[PairResult], finding: Finding) -> str:
@@ -157,29 +175,30 @@ def _first_inside(rows: list[PairResult], finding: Finding) -> str:
     return ""
 
 
-def compare_pair(golden: TensorRef, target: TensorRef, mode: str = "auto",
-                 match: str = "id") -> PairResult:
+def compare_pair(golden: TensorRef, target: TensorRef, mode: CompareMode = CompareMode.AUTO,
+                 match: MatchMethod = MatchMethod.ID) -> PairResult:
     """The comparison of one pair of tensors."""
     row = PairResult(golden, target, match)
-    if _empty(golden.shape) and _empty(target.shape):
+    if is_empty_shape(golden.shape) and is_empty_shape(target.shape):
         row.note = "empty tensor"
         return row
     notes = []
     g_arr = t_arr = None
-    if mode != "statistics" or golden.stats is None or target.stats is None:
+    if mode != CompareMode.STATISTICS or golden.stats is None or target.stats is None:
         buffers = _buffers()
         g_arr, g_why = _load(golden, buffers[0])
         t_arr, t_why = _load(target, buffers[1])
-        for side, why in (("golden", g_why), ("target", t_why)):
+        for side, why in ((Role.GOLDEN, g_why), (Role.TARGET, t_why)):
             if why:
                 notes.append(f"{side}: {why}")
     g_stats, t_stats = golden.stats, target.stats
-    if g_arr is not None and t_arr is not None and mode != "statistics":
+    if g_arr is not None and t_arr is not None and mode != CompareMode.STATISTICS:
         # Two implementations lay tensors out differently (`1x4x32`, `4x32`); ops paired by
         # ID or name are the same code, where a shape difference is a finding.
-        loose = match in ("map", "order")
-        row.metrics, note, g_stats, t_stats = compare_arrays(g_arr, t_arr, loose)
-        row.mode = "tensor"
+        compared = compare_arrays(g_arr, t_arr, loose_shapes=not MatchMethod(match).same_code)
+        row.metrics, note = compared.metrics, compared.note
+        g_stats, t_stats = compared.golden_stats, compared.target_stats
+        row.mode = PairMode.TENSOR
         if note:
             notes.insert(0, note)
         else:
@@ -190,21 +209,17 @@ def compare_pair(golden: TensorRef, target: TensorRef, mode: str = "auto",
                 notes.append(f"shape {golden.shape} vs {target.shape}: compared element by "
                              "element")
     else:
-        if g_arr is not None and (mode != "statistics" or g_stats is None):
+        if g_arr is not None and (mode != CompareMode.STATISTICS or g_stats is None):
             g_stats = array_stats(g_arr)
-        if t_arr is not None and (mode != "statistics" or t_stats is None):
+        if t_arr is not None and (mode != CompareMode.STATISTICS or t_stats is None):
             t_stats = array_stats(t_arr)
-        if g_stats is not None and t_stats is not None and mode != "tensor":
-            row.mode = "statistics"
+        if g_stats is not None and t_stats is not None and mode != CompareMode.TENSOR:
+            row.mode = PairMode.STATISTICS
     if g_stats is not None and t_stats is not None:
         row.diffs = stats_metrics(g_stats, t_stats)
     row.golden_stats, row.target_stats = g_stats, t_stats
     row.note = "; ".join(notes)
     return row
-
-
-def _empty(shape: str) -> bool:
-    return "0" in shape.split("x")
 
 
 _BUFFERS = threading.local()  # a thread compares one pair at a time: its two sides' memory
@@ -261,7 +276,7 @@ def register(sub) -> None:
     p.add_argument("target", help="the dump to check")
     p.add_argument("-o", "--output", default="compare_output",
                    help="folder for the results (default: ./compare_output)")
-    p.add_argument("--mode", choices=MODES, default="auto",
+    p.add_argument("--mode", choices=MODES, default=CompareMode.AUTO.value,
                    help="tensor: metrics from the data; statistics: from statistic.csv; auto "
                         "(default): tensor where both sides have data, else statistics")
     d = Thresholds()
@@ -317,8 +332,8 @@ def _compare(args) -> int:
         return 2
     c = result.counts()
     out.print(f"compared {len(result.rows)} tensors in {len(result.rounds)} round(s): "
-              f"{c['tensor']} by tensor, {c['statistics']} by statistics, "
-              f"{c['no data']} without data; {c['crossing']} cross the thresholds")
+              f"{c.tensor} by tensor, {c.statistics} by statistics, "
+              f"{c.no_data} without data; {c.crossing} cross the thresholds")
     if result.name_matched_ops:
         out.print(f"{result.name_matched_ops} op(s) were paired by name, map or execution "
                   "order because the two runs' op structures differ there (column Match)")
@@ -347,6 +362,6 @@ def _print_unmatched(out, unmatched: list[Unmatched], sheet: str | None,
     out.print(f"{len(unmatched)} entries could not be matched{where}:")
     for u in unmatched[:limit]:
         out.print(f"  only in {u.side}: {u.kind} {u.where}: {u.what}"
-                  + (f" ({u.count} ops)" if u.kind == "op" and u.count > 1 else ""))
+                  + (f" ({u.count} ops)" if u.kind == UnmatchedKind.OP and u.count > 1 else ""))
     if len(unmatched) > limit:
         out.print(f"  ... and {len(unmatched) - limit} more")

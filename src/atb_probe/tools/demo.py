@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from .. import layout
-from ..statcsv import FILE_NAME as CSV_FILE
+from .dumpreader import DumpError, op_folders, open_dump
 from .run import probe_env
 
 DEMO_CONFIG = {
@@ -61,27 +61,27 @@ def run_demo(args) -> int:
 
 
 def print_tree(root: str, max_ops: int = 8) -> None:
-    """A short tree: processes, rounds, the first ops of each round with their files."""
-    data = os.path.join(root, layout.DATA_DIR)
-    if not os.path.isdir(data):
+    """A short tree of the dump root `root`: processes, rounds, the first layer-level op
+    folders of each round with their files."""
+    try:
+        dump = open_dump(root)
+    except DumpError:
         print("  (no data: was dump_enable true?)")
         return
-    for proc in sorted(os.listdir(data)):
-        print(f"  data/{proc}/")
-        pdir = os.path.join(data, proc)
-        for rnd in sorted(os.listdir(pdir), key=lambda s: (len(s), s)):
-            rdir = os.path.join(pdir, rnd)
-            ops = sorted((d for d in os.listdir(rdir) if os.path.isdir(os.path.join(rdir, d))
-                          and layout.parse_op_folder(d)),
-                         key=lambda d: int(layout.parse_op_folder(d)[0]))
-            rows = _count_lines(os.path.join(rdir, CSV_FILE)) - 1
-            print(f"    {rnd}/  statistic.csv ({rows} tensors), {len(ops)} layer-level ops")
+    for proc in dump.processes:
+        print(f"  {layout.process_dir(proc.name)}/")
+        for rnd in proc.rounds:
+            ops = op_folders(rnd.path)
+            rows = _count_lines(rnd.csv_path) - 1
+            print(f"    {rnd.index}/  statistic.csv ({rows} tensors), {len(ops)} layer-level ops")
             for op in ops[:max_ops]:
-                files, size = _du(os.path.join(rdir, op))
-                print(f"      {op}/  {files} files, {size} bytes")
+                files, size = _du(op.path)
+                print(f"      {layout.op_folder(op.own_id, op.name)}/  {files} files, "
+                      f"{size} bytes")
             if len(ops) > max_ops:
                 print(f"      ... {len(ops) - max_ops} more")
-    for sub in [f"{layout.INFO_DIR}/{kind}" for kind in layout.INFO_KINDS] + [layout.STATUS_DIR]:
+    kinds = [layout.info_kind_dir(kind) for kind in layout.INFO_KINDS]
+    for sub in kinds + [layout.STATUS_DIR]:
         path = os.path.join(root, sub)
         if os.path.isdir(path):
             count = sum(len(files) for _, _, files in os.walk(path))

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
+
+from .comparison import PairMode, PairResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +30,9 @@ class Thresholds:
                 f"relative norm error > {self.max_norm_err:g}% (statistics mode)")
 
 
-def crosses(row, th: Thresholds) -> bool | None:
-    """Whether one compared pair (a compare.PairResult) crosses the thresholds; None: no data."""
-    if row.mode == "tensor":
+def crosses(row: PairResult, th: Thresholds) -> bool | None:
+    """Whether one compared pair crosses the thresholds; None: no data."""
+    if row.mode == PairMode.TENSOR:
         if row.note.startswith("nan_mismatch"):
             return True
         cos, ratio = row.metrics.cosine, row.metrics.one_thousandth_ratio
@@ -37,10 +40,10 @@ def crosses(row, th: Thresholds) -> bool | None:
             return None
         return (cos is not None and cos < th.min_cosine) or \
             (ratio is not None and ratio < th.min_ratio)
-    if row.mode == "statistics":
+    if row.mode == PairMode.STATISTICS:
         if row.golden_stats is None or row.target_stats is None:
             return None
-        g, t = row.golden_stats[3], row.target_stats[3]
+        g, t = row.golden_stats.norm, row.target_stats.norm
         if not math.isfinite(t) or not math.isfinite(g):
             return math.isfinite(g) != math.isfinite(t)
         rel = row.diffs.norm_rel_pct
@@ -57,7 +60,7 @@ class Finding:
     round_index: int
     op_path: str                 # target's op path: `3_LlamaDecoderLayer/1_LlamaAttention/6_Linear`
     golden_op_path: str
-    row: object                  # the first crossing output (a comparison.PairResult)
+    row: PairResult              # the first crossing output
     inputs_clean: bool           # False: no op had clean inputs; this is the first crossing one
     order: int                   # position in the target round
     first_inside: str = ""       # the first crossing tensor within the op (a child's), if any
@@ -73,14 +76,14 @@ class Finding:
         """One line for the console and the report."""
         r = self.row
         m = r.metrics
-        if r.mode == "tensor":
+        if r.mode == PairMode.TENSOR:
             cos = "N/A" if m.cosine is None else f"{m.cosine:.6f}"
             ratio = m.one_thousandth_ratio
             ratio_text = "N/A" if ratio is None else f"{ratio:.4f}"
             what = f"cosine {cos}, 1‰-ratio {ratio_text}, max abs err {_num(m.max_abs_err)}"
         elif r.diffs.norm_rel_pct is None and r.golden_stats and r.target_stats:
-            what = (f"norm {_num(r.target_stats[3])} against the golden "
-                    f"{_num(r.golden_stats[3])}")
+            what = (f"norm {_num(r.target_stats.norm)} against the golden "
+                    f"{_num(r.golden_stats.norm)}")
         else:
             what = f"relative norm error {_num(r.diffs.norm_rel_pct)}%"
         where = f"round {self.round_index}, {self.where()} ({r.name.rsplit('/', 1)[1]})"
@@ -92,20 +95,40 @@ class Finding:
                 "starts before the first dumped op (model inputs, or an op that was not dumped)")
 
 
-def first_divergence(ops, th: Thresholds) -> Finding | None:
-    """The first op (iterable of (round_index, op_path, golden_op_path, in_rows, out_rows),
-    in execution order) whose outputs cross while its inputs do not.
+@dataclass(slots=True)
+class OpRows:
+    """A compared op pair with the rows of its inputs and outputs (judged: `diverged` set)."""
+
+    round_index: int
+    op_path: str                 # the target's
+    golden_op_path: str
+    inputs: list[PairResult]
+    outputs: list[PairResult]
+
+    @property
+    def finished(self) -> tuple[int, int]:
+        """When the op finished, as (round, order): its first output's order, or its last
+        input's when it has no outputs compared."""
+        done = min((r.order for r in self.outputs), default=None)
+        if done is None:
+            done = max((r.order for r in self.inputs), default=0)
+        return self.round_index, done
+
+
+def first_divergence(ops: Iterable[OpRows], th: Thresholds) -> Finding | None:
+    """The first op (of `ops`, in execution order: `OpRows.finished`) whose outputs cross while
+    its inputs do not.
 
     Its child ops and kernels come before it in that order and, with inputs of their own (a
     weight), may cross too without being the first divergence themselves; `first_inside`
     (filled by the caller) names the earliest of them."""
     fallback = None
-    for round_index, op_path, golden_path, in_rows, out_rows in ops:
-        bad_out = [r for r in out_rows if r.diverged]
+    for op in ops:
+        bad_out = [r for r in op.outputs if r.diverged]
         if not bad_out:
             continue
-        clean = not any(r.diverged for r in in_rows)
-        finding = Finding(round_index, op_path, golden_path, bad_out[0], clean,
+        clean = not any(r.diverged for r in op.inputs)
+        finding = Finding(op.round_index, op.op_path, op.golden_op_path, bad_out[0], clean,
                           bad_out[0].order)
         if clean:
             return finding

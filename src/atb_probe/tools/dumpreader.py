@@ -27,9 +27,12 @@ from functools import cached_property
 
 from .. import layout
 from ..binfile import BinFormatError
-from ..statcsv import COLUMNS, NA
 from ..binread import HeaderOnlyError, load_numpy, load_tensor
+from ..layout import Side
 from ..naming import is_uninitialized
+from ..statcsv import COLUMNS, NA, Stats, parse_stats, shape_cell
+from . import StrEnum
+
 
 class DumpError(Exception):
     """A path that is not a dump (or not the part of one that was asked for)."""
@@ -46,11 +49,11 @@ class TensorRecord:
     round: "Round"
     op_id: str               # `2_1_0`
     op_name: str             # `LlamaDecoderLayer/LlamaAttention/Linear`
-    io: str                  # `input` | `output`
+    io: Side
     index: str               # `0`, `0_hidden_states`
     dtype: str               # csv name: float, bf16, int64...
-    shape: str               # `1x4x32`
-    stats: tuple[float, float, float, float] | None   # max, min, mean, norm from the csv
+    shape: str               # the Shape cell: `1x4x32`
+    stats: Stats | None      # from the csv
     path: str | None         # the .bin file (maybe a reference), None when there is none
     order: int               # position in the round, execution order
     row: dict = field(repr=False)
@@ -77,7 +80,7 @@ class TensorRecord:
     def uninitialized(self) -> bool:
         """An output over memory nothing had written (an allocation kernel's, `torch.empty`,
         or a view of it): whatever the memory held, never a finding."""
-        if self.io != "output":
+        if self.io != Side.OUTPUT:
             return False
         op_type = self.name_parts[-1]
         if is_uninitialized(op_type, self.io):
@@ -122,11 +125,11 @@ class Op:
 
     @property
     def inputs(self) -> list[TensorRecord]:
-        return [t for t in self.tensors if t.io == "input"]
+        return [t for t in self.tensors if t.io == Side.INPUT]
 
     @property
     def outputs(self) -> list[TensorRecord]:
-        return [t for t in self.tensors if t.io == "output"]
+        return [t for t in self.tensors if t.io == Side.OUTPUT]
 
     @property
     def op_path(self) -> str:
@@ -148,7 +151,12 @@ class Round:
         self.index = -1 if index is None else index
 
     def __repr__(self) -> str:
-        return f"Round({self.process.name}/{self.index})"
+        return f"Round({self.where})"
+
+    @property
+    def where(self) -> str:
+        """`<dev>_<pid>/<round>`: how the tools name the round."""
+        return layout.round_in_data(self.process.name, self.index)
 
     @property
     def csv_path(self) -> str:
@@ -211,16 +219,17 @@ class Round:
                     continue  # the line a killed writer left half-written, as msprobe skips it
                 row = dict(zip(names, cells))
                 ids, ops = row["Op Id"].split("_"), row["Op Name"].split("/")
-                if len(ids) != len(ops):
+                side = layout.parse_side(row["Input/Output"])
+                if len(ids) != len(ops) or side is None:
                     continue
                 records.append(TensorRecord(
-                    round=self, op_id=row["Op Id"], op_name=row["Op Name"],
-                    io=row["Input/Output"], index=row["Index"], dtype=row["Dtype"],
-                    shape=row["Shape"], stats=_stats(row), path=self._locate(row),
-                    order=len(records), row=row))
+                    round=self, op_id=row["Op Id"], op_name=row["Op Name"], io=side,
+                    index=row["Index"], dtype=row["Dtype"], shape=row["Shape"],
+                    stats=parse_stats(row), path=self._locate(row, side), order=len(records),
+                    row=row))
         return records
 
-    def _locate(self, row: dict) -> str | None:
+    def _locate(self, row: dict, side: Side) -> str | None:
         """The .bin of a row: its Tensor Path re-rooted at this round (the tree may have moved,
         as msprobe assumes), else the path as written, else the path the layout gives."""
         written = row.get("Tensor Path", NA)
@@ -232,11 +241,8 @@ class Round:
                     return candidate
             if os.path.isfile(written):
                 return written
-        io = row["Input/Output"]
-        if io not in (layout.INPUT, layout.OUTPUT):
-            return None
         candidate = layout.tensor_rel(
-            os.path.join(self.path, layout.op_path(row["Op Id"], row["Op Name"])), io,
+            os.path.join(self.path, layout.op_path(row["Op Id"], row["Op Name"])), side,
             row["Index"])
         return candidate if os.path.isfile(candidate) else None
 
@@ -245,38 +251,23 @@ class Round:
         records: list[TensorRecord] = []
 
         def visit(folder: str, ids: list[str], names: list[str]) -> None:
-            files = {layout.INPUT: [], layout.OUTPUT: []}
-            children = []
-            for entry in sorted(os.listdir(folder)):
-                full = os.path.join(folder, entry)
-                if not os.path.isdir(full):
-                    continue
-                if entry in layout.SIDE_DIRS:
-                    for n in os.listdir(full):
-                        parsed = layout.parse_tensor_file(n)
-                        if parsed and layout.side_dir(parsed[0]) == entry \
-                                and os.path.isfile(os.path.join(full, n)):
-                            files[parsed[0]].append((parsed[1], os.path.join(full, n)))
-                elif (op := layout.parse_op_folder(entry)) is not None:
-                    own_id, name = op
-                    children.append((int(own_id), own_id, name, full))
             op_id, op_name = "_".join(ids), "/".join(names)
-            for io in (layout.INPUT, layout.OUTPUT):
-                if io == layout.OUTPUT:
-                    for _, own_id, name, full in sorted(children):
-                        visit(full, ids + [own_id], names + [name])
+            for io in Side:
+                if io == Side.OUTPUT:
+                    for child in op_folders(folder):
+                        visit(child.path, ids + [child.own_id], names + [child.name])
                 if not ids:
                     continue
-                for index, path in sorted(files[io], key=lambda f: _index_key(f[0])):
+                for index, path in _tensor_files(folder, io):
                     try:
                         header = read_header(path)
-                        dtype, shape = header.dtype.csv_name, "x".join(map(str, header.dims))
+                        dtype, shape = header.dtype.csv_name, shape_cell(header.dims)
                     except (OSError, BinFormatError):
                         dtype = shape = "?"
                     row = dict.fromkeys(COLUMNS, NA)
                     row.update({"Device and PID": self.process.name,
                                 "Execution Count": str(self.index), "Op Name": op_name,
-                                "Op Type": names[-1], "Op Id": op_id, "Input/Output": io,
+                                "Op Type": names[-1], "Op Id": op_id, "Input/Output": io.value,
                                 "Index": index, "Dtype": dtype, "Format": "nd", "Shape": shape,
                                 "Tensor Path": path})
                     records.append(TensorRecord(self, op_id, op_name, io, index, dtype, shape,
@@ -284,6 +275,42 @@ class Round:
 
         visit(self.path, [], [])
         return records
+
+
+@dataclass(frozen=True, slots=True)
+class OpFolder:
+    """An op's folder on disk, `<own id>_<name>`, below its round's or its parent op's."""
+
+    own_id: str
+    name: str
+    path: str
+
+
+def op_folders(folder: str) -> list[OpFolder]:
+    """The op folders directly below `folder` (a round's or an op's), in ID order."""
+    found = []
+    for entry in os.listdir(folder):
+        op = layout.parse_op_folder(entry)
+        full = os.path.join(folder, entry)
+        if op is not None and os.path.isdir(full):
+            found.append(OpFolder(*op, full))
+    return sorted(found, key=lambda f: (int(f.own_id), f.own_id, f.name))
+
+
+def _tensor_files(op_folder: str, io: Side) -> list[tuple[str, str]]:
+    """(index, path) of the tensor files of one side of an op, in index order."""
+    folder = os.path.join(op_folder, layout.side_dir(io))
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in names:
+        parsed = layout.parse_tensor_file(name)
+        path = os.path.join(folder, name)
+        if parsed is not None and parsed[0] == io and os.path.isfile(path):
+            found.append((parsed[1], path))
+    return sorted(found, key=lambda f: _index_key(f[0]))
 
 
 class Process:
@@ -302,10 +329,18 @@ class Process:
         return f"Process({self.name}, {len(self.rounds)} rounds)"
 
 
-class Dump:
-    """A dump opened at some level: `kind` is root, process or round."""
+class DumpLevel(StrEnum):
+    """The level a dump was opened at."""
 
-    def __init__(self, path: str, kind: str, processes: list[Process], root: str | None):
+    ROOT = "root"            # atb_dump_data, the folder holding it, or its data folder
+    PROCESS = "process"      # a `<dev>_<pid>` folder
+    ROUND = "round"          # a round folder
+
+
+class Dump:
+    """A dump opened at some level (`kind`)."""
+
+    def __init__(self, path: str, kind: DumpLevel, processes: list[Process], root: str | None):
         self.path = path
         self.kind = kind
         self.processes = processes
@@ -324,7 +359,7 @@ class Dump:
             folder = os.path.join(self.root, layout.info_dir(sub, p.name))
             if os.path.isdir(folder):
                 out[p.name] = sorted(os.path.join(folder, n) for n in os.listdir(folder)
-                                     if n.endswith(".json"))
+                                     if layout.parse_info_file(n) is not None)
         return out
 
 
@@ -340,18 +375,18 @@ def open_dump(path: str) -> Dump:
         path = layout.dump_root(path)
     data = os.path.join(path, layout.DATA_DIR)
     if os.path.isdir(data) and not layout.is_round_dir(path):
-        return Dump(path, "root", _processes(data), path)
+        return Dump(path, DumpLevel.ROOT, _processes(data), path)
     if layout.is_data_dir(path):
-        return Dump(path, "root", _processes(path), os.path.dirname(path))
+        return Dump(path, DumpLevel.ROOT, _processes(path), os.path.dirname(path))
     if layout.is_round_dir(path):
         parent = layout.process_of_round(path)
         proc = Process(parent, [path])
-        return Dump(path, "round", [proc], layout.root_of_process(parent))
+        return Dump(path, DumpLevel.ROUND, [proc], layout.root_of_process(parent))
     if layout.parse_devpid(os.path.basename(path)) or \
             any(layout.is_round_name(d) for d in os.listdir(path)):
         proc = Process(path)
         if proc.rounds:
-            return Dump(path, "process", [proc], layout.root_of_process(path))
+            return Dump(path, DumpLevel.PROCESS, [proc], layout.root_of_process(path))
     raise DumpError(f"{path} is not a dump: expected a folder holding atb_dump_data/, "
                     "atb_dump_data/ itself, a data/<dev>_<pid> folder or a round folder "
                     "(data/<dev>_<pid>/<round>, holding statistic.csv)")
@@ -361,14 +396,6 @@ def _processes(data: str) -> list[Process]:
     procs = [Process(os.path.join(data, d)) for d in sorted(os.listdir(data))
              if os.path.isdir(os.path.join(data, d))]
     return sorted(procs, key=lambda p: (p.device, p.pid, p.name))
-
-
-def _stats(row: dict) -> tuple[float, float, float, float] | None:
-    try:
-        values = tuple(float(row[k]) for k in ("Max", "Min", "Mean", "Norm"))
-    except (KeyError, ValueError):
-        return None
-    return values
 
 
 def _index_key(index: str):

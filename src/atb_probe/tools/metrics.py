@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-CHUNK = 1 << 16   # elements per pass: two float64 chunks and their temporaries fit in L2
+from ..statcsv import Stats
 
-Stats = tuple[float, float, float, float]   # max, min, mean, L2 norm
+CHUNK = 1 << 16   # elements per pass: two float64 chunks and their temporaries fit in L2
 
 
 @dataclass(slots=True)
@@ -78,15 +78,19 @@ def _flat(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1)
 
 
-def tensor_metrics(golden: np.ndarray, target: np.ndarray) -> tuple[TensorMetrics, str]:
-    """(metrics, note) for two arrays of the same shape."""
-    metrics, note, _, _ = compare_arrays(golden, target)
-    return metrics, note
+@dataclass(slots=True)
+class ArrayComparison:
+    """What comparing two arrays gives."""
+
+    metrics: TensorMetrics       # None where not defined
+    note: str                    # why the metrics are missing, or "" when they are not
+    golden_stats: Stats | None   # each side's statistics; None when empty
+    target_stats: Stats | None
 
 
 def compare_arrays(golden: np.ndarray, target: np.ndarray, loose_shapes: bool = False
-                   ) -> tuple[TensorMetrics, str, Stats | None, Stats | None]:
-    """(metrics, note, golden stats, target stats) of two arrays of the same shape.
+                   ) -> ArrayComparison:
+    """The metrics and statistics of two arrays of the same shape.
 
     With `loose_shapes`, arrays whose shapes differ only by dimensions of size 1 (`1x4x32` and
     `4x32`, as two frameworks lay out the same tensor) are compared element by element; other
@@ -94,46 +98,46 @@ def compare_arrays(golden: np.ndarray, target: np.ndarray, loose_shapes: bool = 
     result = TensorMetrics()
     if golden.shape != target.shape and not (
             loose_shapes and _squeezed(golden.shape) == _squeezed(target.shape)):
-        return result, (f"shape differs: golden {golden.shape}, target {target.shape}"), \
-            array_stats(golden), array_stats(target)
+        return ArrayComparison(result, f"shape differs: golden {golden.shape}, target "
+                               f"{target.shape}", array_stats(golden), array_stats(target))
     if golden.size == 0:
-        return result, "empty tensor", None, None
+        return ArrayComparison(result, "empty tensor", None, None)
     g, t = _flat(golden), _flat(target)
     kinds = {g.dtype.kind, t.dtype.kind}
     wide = g.dtype == np.float64 or t.dtype == np.float64 or not kinds <= {"f"}
     work = np.float64 if wide else np.float32
     eps = work(np.finfo(work).eps)
     n = g.size
-    acc = _Acc()
+    sums = _PairSums()
     scratch = _scratch()
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for start in range(0, n, CHUNK):
+            # gs, ts: the chunk as dumped; gc, tc: its float64 copy; gw, tw: in the work dtype
             gs, ts = g[start:start + CHUNK], t[start:start + CHUNK]
             m = gs.size
             gc, tc = scratch.golden[:m], scratch.target[:m]
             np.copyto(gc, gs, casting="unsafe")
             np.copyto(tc, ts, casting="unsafe")
-            gg, tt = _dot(gc, gc), _dot(tc, tc)
-            if not (math.isfinite(gg) and math.isfinite(tt)):
+            g_squares, t_squares = _dot(gc, gc), _dot(tc, tc)
+            if not (math.isfinite(g_squares) and math.isfinite(t_squares)):
                 g_bad, t_bad = ~np.isfinite(gc), ~np.isfinite(tc)
                 if g_bad.any() or t_bad.any():
                     if not (np.array_equal(g_bad, t_bad)
                             and np.array_equal(np.isnan(gc), np.isnan(tc))):
-                        return (TensorMetrics(), "nan_mismatch: NaN/Inf at different places",
-                                array_stats(golden), array_stats(target))
-                    acc.non_finite = True
+                        return ArrayComparison(TensorMetrics(),
+                                               "nan_mismatch: NaN/Inf at different places",
+                                               array_stats(golden), array_stats(target))
+                    sums.non_finite = True
                     gc[g_bad] = 0.0
                     tc[t_bad] = 0.0
                     gs, ts = gc, tc
-                    gg, tt = _dot(gc, gc), _dot(tc, tc)
+                    g_squares, t_squares = _dot(gc, gc), _dot(tc, tc)
             diff = np.subtract(tc, gc, out=scratch.diff[:m])
-            acc.dd += _dot(diff, diff)
-            acc.max_abs = max(acc.max_abs, float(diff.max()), -float(diff.min()))
-            acc.gg += gg
-            acc.tt += tt
-            acc.gt += _dot(gc, tc)
-            acc.side(0, gc)
-            acc.side(1, tc)
+            sums.diff_squares += _dot(diff, diff)
+            sums.max_abs = max(sums.max_abs, float(diff.max()), -float(diff.min()))
+            sums.golden.add(gc, g_squares)
+            sums.target.add(tc, t_squares)
+            sums.dot += _dot(gc, tc)
             # msprobe works in the inputs' own float type (float32 for fp32/bf16/fp16 data), so
             # its epsilon and rounding are float32's; match it so both tools report the same
             # numbers.
@@ -148,22 +152,21 @@ def compare_arrays(golden: np.ndarray, target: np.ndarray, loose_shapes: bool = 
             np.subtract(tw, gw, out=rel, dtype=work)
             np.divide(rel, gw, out=rel)
             np.abs(rel, out=rel)
-            acc.max_rel = max(acc.max_rel, float(rel.max()))
-            acc.below_1 += int(np.count_nonzero(np.less(rel, 0.001, out=mask)))
-            acc.below_5 += int(np.count_nonzero(np.less(rel, 0.005, out=mask)))
-    result.euc_distance = math.sqrt(acc.dd)
-    result.max_abs_err = acc.max_abs
-    result.max_rel_err = acc.max_rel
-    result.one_thousandth_ratio = acc.below_1 / n
-    result.five_thousandth_ratio = acc.below_5 / n
+            sums.max_rel = max(sums.max_rel, float(rel.max()))
+            sums.within_1 += int(np.count_nonzero(np.less(rel, 0.001, out=mask)))
+            sums.within_5 += int(np.count_nonzero(np.less(rel, 0.005, out=mask)))
+    result.euc_distance = math.sqrt(sums.diff_squares)
+    result.max_abs_err = sums.max_abs
+    result.max_rel_err = sums.max_rel
+    result.one_thousandth_ratio = sums.within_1 / n
+    result.five_thousandth_ratio = sums.within_5 / n
     if n > 1:
         # Equal data is exactly similar; the division below could land a rounding off 1.
-        result.cosine = 1.0 if acc.max_abs == 0 else _cosine(acc.gg, acc.tt, acc.gt)
-    if acc.non_finite:
-        g_stats, t_stats = array_stats(golden), array_stats(target)
-    else:
-        g_stats, t_stats = acc.stats(0, n), acc.stats(1, n)
-    return result, "", g_stats, t_stats
+        result.cosine = 1.0 if sums.max_abs == 0 else _cosine(
+            sums.golden.squares, sums.target.squares, sums.dot)
+    if sums.non_finite:
+        return ArrayComparison(result, "", array_stats(golden), array_stats(target))
+    return ArrayComparison(result, "", sums.golden.stats(n), sums.target.stats(n))
 
 
 def _as_work(chunk: np.ndarray, wide: np.ndarray, work, buffer: np.ndarray) -> np.ndarray:
@@ -196,28 +199,39 @@ def _scratch() -> _Scratch:
     return scratch
 
 
-class _Acc:
-    """What the chunks of a pair add up to."""
+class _SideSums:
+    """What the chunks of one side add up to: its statistics so far."""
 
-    __slots__ = ("dd", "max_abs", "gg", "tt", "gt", "max_rel", "below_1", "below_5",
-                 "non_finite", "hi", "lo", "sum")
+    __slots__ = ("high", "low", "total", "squares")
 
     def __init__(self):
-        self.dd = self.max_abs = self.gg = self.tt = self.gt = self.max_rel = 0.0
-        self.below_1 = self.below_5 = 0
-        self.non_finite = False
-        self.hi = [-math.inf, -math.inf]
-        self.lo = [math.inf, math.inf]
-        self.sum = [0.0, 0.0]
+        self.high, self.low = -math.inf, math.inf
+        self.total = self.squares = 0.0
 
-    def side(self, i: int, chunk: np.ndarray) -> None:
-        self.hi[i] = max(self.hi[i], float(chunk.max()))
-        self.lo[i] = min(self.lo[i], float(chunk.min()))
-        self.sum[i] += float(chunk.sum())
+    def add(self, chunk: np.ndarray, squares: float) -> None:
+        """Take in a chunk (float64) and its sum of squares."""
+        self.high = max(self.high, float(chunk.max()))
+        self.low = min(self.low, float(chunk.min()))
+        self.total += float(chunk.sum())
+        self.squares += squares
 
-    def stats(self, i: int, n: int) -> Stats:
-        squares = self.gg if i == 0 else self.tt
-        return self.hi[i], self.lo[i], self.sum[i] / n, math.sqrt(squares)
+    def stats(self, n: int) -> Stats:
+        return Stats(self.high, self.low, self.total / n, math.sqrt(self.squares))
+
+
+class _PairSums:
+    """What the chunks of a pair add up to."""
+
+    __slots__ = ("golden", "target", "diff_squares", "dot", "max_abs", "max_rel", "within_1",
+                 "within_5", "non_finite")
+
+    def __init__(self):
+        self.golden, self.target = _SideSums(), _SideSums()
+        self.diff_squares = 0.0      # sum of (target - golden)^2
+        self.dot = 0.0               # sum of golden * target
+        self.max_abs = self.max_rel = 0.0
+        self.within_1 = self.within_5 = 0   # elements within 1 and 5 per mille relative error
+        self.non_finite = False      # NaN/Inf (at the same places on both sides) were zeroed
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> float:
@@ -230,14 +244,14 @@ def _squeezed(shape: tuple) -> tuple:
     return tuple(d for d in shape if d != 1)
 
 
-def _cosine(gg: float, tt: float, gt: float) -> float | None:
+def _cosine(golden_squares: float, target_squares: float, dot: float) -> float | None:
     eps = np.finfo(np.float64).eps
-    gn, tn = math.sqrt(gg), math.sqrt(tt)
-    if gn <= eps and tn <= eps:
+    golden_norm, target_norm = math.sqrt(golden_squares), math.sqrt(target_squares)
+    if golden_norm <= eps and target_norm <= eps:
         return 1.0
-    if gn <= eps or tn <= eps:
+    if golden_norm <= eps or target_norm <= eps:
         return None
-    return min(1.0, max(-1.0, gt / (gn * tn)))
+    return min(1.0, max(-1.0, dot / (golden_norm * target_norm)))
 
 
 def cosine(g: np.ndarray, t: np.ndarray) -> float | None:
@@ -252,37 +266,32 @@ def array_stats(array: np.ndarray) -> Stats | None:
     x = np.abs(array) if np.iscomplexobj(array) else array
     x = np.asarray(x, dtype=np.float64).reshape(-1)
     with np.errstate(invalid="ignore", over="ignore"):
-        return float(x.max()), float(x.min()), float(x.mean()), math.sqrt(_dot(x, x))
+        return Stats(float(x.max()), float(x.min()), float(x.mean()), math.sqrt(_dot(x, x)))
 
 
 def stats_metrics(golden: Stats | None, target: Stats | None) -> StatsDiff:
     """Differences and relative errors (%) of max/min/mean/norm; absent ones are None."""
-    result = StatsDiff()
     if golden is None or target is None:
-        return result
-    diffs, rels = [None] * 4, [None] * 4
-    for k, (g, t) in enumerate(zip(golden, target)):
-        if not (math.isfinite(g) and math.isfinite(t)):
-            continue
-        diffs[k] = diff = t - g
-        if diff == 0:
-            rels[k] = 0.0
-        elif g != 0:
-            rels[k] = abs(diff / g * 100)
-    result.max_diff, result.min_diff, result.mean_diff, result.norm_diff = diffs
-    result.max_rel_pct, result.min_rel_pct, result.mean_rel_pct, result.norm_rel_pct = rels
-    return result
+        return StatsDiff()
+    max_diff, max_rel = _difference(golden.max, target.max)
+    min_diff, min_rel = _difference(golden.min, target.min)
+    mean_diff, mean_rel = _difference(golden.mean, target.mean)
+    norm_diff, norm_rel = _difference(golden.norm, target.norm)
+    return StatsDiff(max_diff, min_diff, mean_diff, norm_diff,
+                     max_rel, min_rel, mean_rel, norm_rel)
 
 
-def max_abs(stats: Stats | None) -> float | None:
+def _difference(golden: float, target: float) -> tuple[float | None, float | None]:
+    """target - golden and its relative error in percent (0 when equal, None when the golden
+    value is 0); both None when either value is NaN/Inf."""
+    if not (math.isfinite(golden) and math.isfinite(target)):
+        return None, None
+    diff = target - golden
+    if diff == 0:
+        return diff, 0.0
+    return diff, (abs(diff / golden * 100) if golden != 0 else None)
+
+
+def max_abs(stats: Stats) -> float:
     """The largest magnitude a tensor holds, from its statistics."""
-    if stats is None:
-        return None
-    return max(abs(stats[0]), abs(stats[1]))
-
-
-def finite(stats: Stats | None) -> bool | None:
-    """Whether a tensor holds no NaN/Inf, from its statistics (None: not known)."""
-    if stats is None:
-        return None
-    return all(math.isfinite(v) for v in stats)
+    return max(abs(stats.max), abs(stats.min))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass, field
 
 from ..binfile import BinFormatError
 from . import extras
@@ -58,16 +59,34 @@ def bin_files(folder: str) -> list[str]:
     return found
 
 
-def parse_path(path: str, output: str, to: str, progress=None) -> dict:
-    """Convert `path`; returns counts and the failures (relative path, message)."""
-    result = {"written": 0, "header_only": 0, "failed": [], "output": output}
+@dataclass(slots=True)
+class Failure:
+    """A file that could not be converted."""
+
+    path: str                    # relative to the folder converted (the file itself for one)
+    message: str
+
+
+@dataclass(slots=True)
+class ParseResult:
+    """What a conversion wrote."""
+
+    output: str                  # the folder, or the one file, written
+    written: int = 0
+    header_only: int = 0         # skipped: no bytes to convert (filter_level 2)
+    failed: list[Failure] = field(default_factory=list)
+
+
+def parse_path(path: str, output: str, to: str, progress=None) -> ParseResult:
+    """Convert `path` (a .bin file or a folder) to `to` (npy | pt) in `output`."""
+    result = ParseResult(output)
     if os.path.isfile(path):
         if output.endswith(f".{to}"):
             dst = output
         else:
             dst = os.path.join(output, os.path.basename(path)[:-4] + f".{to}")
         jobs = [(path, dst)]
-        result["output"] = dst
+        result.output = dst
     else:
         jobs = [(os.path.join(path, rel), os.path.join(output, rel[:-4] + f".{to}"))
                 for rel in bin_files(path)]
@@ -75,12 +94,12 @@ def parse_path(path: str, output: str, to: str, progress=None) -> dict:
     for src, dst in jobs:
         try:
             convert(src, dst, to)
-            result["written"] += 1
+            result.written += 1
         except HeaderOnlyError:
-            result["header_only"] += 1
+            result.header_only += 1
         except (BinFormatError, OSError) as exc:
-            result["failed"].append((os.path.relpath(src, path) if src != path else src,
-                                     str(exc)))
+            result.failed.append(Failure(os.path.relpath(src, path) if src != path else src,
+                                         str(exc)))
         if advance:
             advance()
     return result
@@ -110,12 +129,12 @@ def _parse(args) -> int:
             task = bar.add_task("parse", total=total)
             return lambda: bar.advance(task)
         result = parse_path(path, os.path.abspath(args.output), args.to, progress)
-    print(f"wrote {result['written']} .{args.to} file(s) to {result['output']}")
-    if result["header_only"]:
-        print(f"skipped {result['header_only']} header-only file(s): dumped with filter_level 2, "
+    print(f"wrote {result.written} .{args.to} file(s) to {result.output}")
+    if result.header_only:
+        print(f"skipped {result.header_only} header-only file(s): dumped with filter_level 2, "
               "their data was never written (statistic.csv has their statistics)")
-    for rel, message in result["failed"][:20]:
-        print(f"failed: {rel}: {message}", file=sys.stderr)
-    if len(result["failed"]) > 20:
-        print(f"... and {len(result['failed']) - 20} more failures", file=sys.stderr)
-    return 1 if result["failed"] else 0
+    for failure in result.failed[:20]:
+        print(f"failed: {failure.path}: {failure.message}", file=sys.stderr)
+    if len(result.failed) > 20:
+        print(f"... and {len(result.failed) - 20} more failures", file=sys.stderr)
+    return 1 if result.failed else 0

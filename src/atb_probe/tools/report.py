@@ -12,7 +12,8 @@ import datetime
 import html
 import math
 
-from .comparison import CompareResult, PairResult
+from ..layout import Side
+from .comparison import CompareResult, PairMode, PairResult, Role
 from .resulttable import FIELDS
 
 REPORT_HTML = "atb_compare_report.html"
@@ -30,8 +31,8 @@ _TABLE_GETTERS = tuple(dict(FIELDS)[c] for c in TABLE_COLUMNS)
 
 def relative_error(row: PairResult) -> float | None:
     """The plotted error of a row; None when the row has no data."""
-    golden_norm = None if row.golden_stats is None else row.golden_stats[3]
-    if row.mode == "tensor":
+    golden_norm = None if row.golden_stats is None else row.golden_stats.norm
+    if row.mode == PairMode.TENSOR:
         euc = row.metrics.euc_distance
         if euc is None:
             return math.inf if row.note.startswith("nan_mismatch") else None
@@ -40,10 +41,10 @@ def relative_error(row: PairResult) -> float | None:
         if not golden_norm:
             return 0.0 if euc == 0 else math.inf
         return euc / golden_norm
-    if row.mode == "statistics":
+    if row.mode == PairMode.STATISTICS:
         rel = row.diffs.norm_rel_pct
         if rel is None:
-            target_norm = None if row.target_stats is None else row.target_stats[3]
+            target_norm = None if row.target_stats is None else row.target_stats.norm
             if golden_norm is None or target_norm is None:
                 return None
             if not math.isfinite(golden_norm) and not math.isfinite(target_norm):
@@ -108,7 +109,7 @@ def _summary(result: CompareResult) -> str:
 def _plots(result) -> str:
     rounds: dict[int, list[PairResult]] = {}
     for row in result.rows:
-        if row.io == "output":
+        if row.io == Side.OUTPUT:
             rounds.setdefault(row.round_index, []).append(row)
     if not rounds:
         return ""
@@ -132,7 +133,7 @@ def _plots(result) -> str:
     return "\n".join(out)
 
 
-def _svg(rows: list[PairResult], finding, flagged: dict[str, str]) -> str:
+def _svg(rows: list[PairResult], finding, flagged: dict[tuple[str, str, int], str]) -> str:
     width, height, left, right, top, bottom = 1100, 300, 60, 10, 28, 30
     n = len(rows)
     plot_w, plot_h = width - left - right, height - top - bottom
@@ -196,7 +197,7 @@ def _svg(rows: list[PairResult], finding, flagged: dict[str, str]) -> str:
 def _layers(result) -> str:
     layers: dict[tuple[int, str], dict] = {}
     for row in result.rows:
-        if row.io != "output":
+        if row.io != Side.OUTPUT:
             continue
         key = (row.round_index, row.layer)
         entry = layers.setdefault(key, {"outputs": 0, "crossing": 0, "cos": None, "err": None})
@@ -219,21 +220,22 @@ def _layers(result) -> str:
             f"</tr>{body}</table>")
 
 
-def _key(row: PairResult) -> tuple[str, str, int, str]:
-    return (row.target.process, row.target.data_name, row.target.round_index, "target")
+def _key(row: PairResult) -> tuple[str, str, int]:
+    """A target tensor's key in `_flagged`: (process, tensor name, round)."""
+    return (row.target.process, row.target.data_name, row.target.round_index)
 
 
-def _flagged(result: CompareResult) -> dict:
+def _flagged(result: CompareResult) -> dict[tuple[str, str, int], str]:
     """Tensors of the target that the scan flagged: key -> why."""
     marks = {}
     for scanned in result.scan:
-        if scanned.side != "target":
+        if scanned.side != Role.TARGET:
             continue
         if scanned.first is not None:
-            marks[(scanned.process, scanned.first.tensor, scanned.round_index, "target")] = \
+            marks[(scanned.process, scanned.first.tensor, scanned.round_index)] = \
                 f"first NaN/Inf of round {scanned.round_index}"
         for g in scanned.growth:
-            marks.setdefault((scanned.process, g.tensor, scanned.round_index, "target"),
+            marks.setdefault((scanned.process, g.tensor, scanned.round_index),
                              f"magnitude grows x{g.ratio:.3g} over its inputs")
     return marks
 

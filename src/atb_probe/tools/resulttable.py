@@ -10,17 +10,18 @@ from __future__ import annotations
 import csv
 
 from ..statcsv import NA
-from .comparison import CompareResult, PairResult
+from .comparison import CompareResult, PairResult, Role
 
 RESULT_CSV = "atb_compare_result.csv"
 RESULT_XLSX = "atb_compare_result.xlsx"
 XLSX_MAX_ROWS = 1_048_576  # Excel's sheet limit, header included
 
 
-def _stat(side: str, k: int):
+def _stat(side: Role, name: str):
+    """The getter of one statistic (max, min, mean, norm) of one side."""
     def get(r: PairResult):
-        stats = r.golden_stats if side == "golden" else r.target_stats
-        return None if stats is None else stats[k]
+        stats = r.stats(side)
+        return None if stats is None else getattr(stats, name)
     return get
 
 
@@ -54,15 +55,15 @@ FIELDS = (
     ("Relative Err of Min(%)", lambda r: r.diffs.min_rel_pct),
     ("Relative Err of Mean(%)", lambda r: r.diffs.mean_rel_pct),
     ("Relative Err of Norm(%)", lambda r: r.diffs.norm_rel_pct),
-    ("Target Max", _stat("target", 0)), ("Golden Max", _stat("golden", 0)),
-    ("Target Min", _stat("target", 1)), ("Golden Min", _stat("golden", 1)),
-    ("Target Mean", _stat("target", 2)), ("Golden Mean", _stat("golden", 2)),
-    ("Target Norm", _stat("target", 3)), ("Golden Norm", _stat("golden", 3)),
+    ("Target Max", _stat(Role.TARGET, "max")), ("Golden Max", _stat(Role.GOLDEN, "max")),
+    ("Target Min", _stat(Role.TARGET, "min")), ("Golden Min", _stat(Role.GOLDEN, "min")),
+    ("Target Mean", _stat(Role.TARGET, "mean")), ("Golden Mean", _stat(Role.GOLDEN, "mean")),
+    ("Target Norm", _stat(Role.TARGET, "norm")), ("Golden Norm", _stat(Role.GOLDEN, "norm")),
     ("Order", lambda r: r.order),
     ("Layer", lambda r: r.layer),
-    ("Input/Output", lambda r: r.io),
-    ("Compare Mode", lambda r: r.mode),
-    ("Match", lambda r: r.match),
+    ("Input/Output", lambda r: str(r.io)),     # closed sets as their text
+    ("Compare Mode", lambda r: str(r.mode)),
+    ("Match", lambda r: str(r.match)),
     ("Diverged", _verdict),
     ("Note", lambda r: r.note),
     ("Golden Tensor Path", lambda r: r.golden.path or NA),
@@ -100,7 +101,7 @@ def write_xlsx(result: CompareResult, path: str) -> None:
     import pandas as pd
     table = pd.DataFrame([[NA if v is None else v for v in values(row)] for row in result.rows],
                          columns=list(COLUMNS))
-    unmatched = pd.DataFrame([(u.side, u.kind, u.where, u.what, u.count)
+    unmatched = pd.DataFrame([(str(u.side), str(u.kind), u.where, u.what, u.count)
                               for u in result.unmatched],
                              columns=["Only In", "Kind", "Where", "What", "Count"])
     summary = pd.DataFrame(result.summary_lines(), columns=["Item", "Value"])

@@ -38,11 +38,14 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import extras
+from ..layout import Side
+from ..statcsv import Stats, is_empty_shape
+from . import StrEnum, extras
 from .arrays import load_values
+from .comparison import Role
 from .dumpreader import DumpError, NoData, Process, Round, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
-from .metrics import Stats
+from .metrics import max_abs
 
 FLOAT_DTYPES = frozenset({"float", "float16", "bf16", "double", "float8_e5m2", "float8_e4m3fn",
                           "float8_e8m0", "complex64", "complex128"})
@@ -61,13 +64,21 @@ class Seen:
     """One tensor as the scan sees it, in execution order."""
 
     name: str                    # `2_LlamaDecoderLayer/0_LlamaRMSNorm/output.0`
-    io: str                      # input | output
+    io: Side
     dtype: str
     stats: Stats | None          # None: not known (no statistics, no data)
 
     @property
     def op_path(self) -> str:
         return self.name.rsplit("/", 1)[0]
+
+
+class NonFiniteKind(StrEnum):
+    """What non-finite values a tensor holds."""
+
+    NAN = "NaN"
+    INF = "Inf"                  # +inf (and maybe -inf)
+    NEG_INF = "-Inf"             # -inf only: what masks are made of
 
 
 @dataclass(slots=True)
@@ -77,7 +88,7 @@ class NonFinite:
     op_path: str
     layer: str                   # its layer-level op: `3_LlamaDecoderLayer`
     tensor: str                  # the output: `<op path>/output.0`
-    kind: str                    # NaN | Inf
+    kind: NonFiniteKind          # NaN | Inf
     inputs_finite: bool | None   # None: not known
     bad_inputs: list[str] = field(default_factory=list)
 
@@ -120,7 +131,7 @@ class RoundScan:
 
     process: str
     round_index: int
-    side: str = ""               # golden | target when compare ran the scan
+    side: Role | None = None     # the side of the dumps compare ran the scan on
     tensors: int = 0
     unchecked: int = 0           # tensors with neither statistics nor data
     non_finite_ops: int = 0      # ops with a NaN/Inf output (masks aside)
@@ -130,13 +141,14 @@ class RoundScan:
 
     def to_json(self) -> dict:
         doc = asdict(self)
+        doc["side"] = self.side or ""
         for g, raw in zip(self.growth, doc["growth"]):
             raw["ratio"] = g.ratio
         return doc
 
 
 def scan_items(items, process: str, round_index: int, settings: Settings = Settings(),
-               side: str = "") -> RoundScan:
+               side: Role | None = None) -> RoundScan:
     """Scan one round's tensors (`Seen`, in execution order)."""
     result = RoundScan(process, round_index, side)
     inputs: dict[str, list[Seen]] = {}
@@ -148,7 +160,7 @@ def scan_items(items, process: str, round_index: int, settings: Settings = Setti
         if seen.stats is None:
             result.unchecked += 1
         op = seen.op_path
-        if seen.io == "input":
+        if seen.io == Side.INPUT:
             inputs.setdefault(op, []).append(seen)
             continue
         if seen.stats is None:
@@ -156,7 +168,7 @@ def scan_items(items, process: str, round_index: int, settings: Settings = Setti
         kind = non_finite(seen.stats)
         if kind is not None:
             ins = inputs.get(op, [])
-            if kind == "-Inf" and _builds_mask(ins):
+            if kind == NonFiniteKind.NEG_INF and _builds_mask(ins):
                 mask_ops.add(op)
             elif op not in bad_ops:
                 bad_ops.add(op)
@@ -176,25 +188,24 @@ def _layer(op_path: str) -> str:
     return op_path.split("/", 1)[0]
 
 
-def non_finite(stats: Stats) -> str | None:
-    """None for finite data, else what it holds: NaN, Inf (some +inf), -Inf (only -inf)."""
-    hi, lo = stats[0], stats[1]
-    if math.isfinite(hi) and math.isfinite(lo):
+def non_finite(stats: Stats) -> NonFiniteKind | None:
+    """None for finite data, else what it holds."""
+    if math.isfinite(stats.max) and math.isfinite(stats.min):
         return None
-    if math.isnan(hi) or math.isnan(lo):
-        return "NaN"
-    return "-Inf" if hi != math.inf else "Inf"
+    if math.isnan(stats.max) or math.isnan(stats.min):
+        return NonFiniteKind.NAN
+    return NonFiniteKind.NEG_INF if stats.max != math.inf else NonFiniteKind.INF
 
 
 def _builds_mask(ins: list[Seen]) -> bool:
     """Whether an op that output -inf made a mask: from no float input, or from a mask."""
     floats = [x for x in ins if x.dtype in FLOAT_DTYPES and x.stats is not None]
-    return not floats or any(non_finite(x.stats) == "-Inf" for x in floats)
+    return not floats or any(non_finite(x.stats) == NonFiniteKind.NEG_INF for x in floats)
 
 
-def _non_finite(seen: Seen, kind: str, ins: list[Seen]) -> NonFinite:
+def _non_finite(seen: Seen, kind: NonFiniteKind, ins: list[Seen]) -> NonFinite:
     bad = [x.name for x in ins if x.stats is not None
-           and non_finite(x.stats) not in (None, "-Inf")]
+           and non_finite(x.stats) not in (None, NonFiniteKind.NEG_INF)]
     if bad:
         clean = False
     elif any(x.stats is None for x in ins):
@@ -205,11 +216,10 @@ def _non_finite(seen: Seen, kind: str, ins: list[Seen]) -> NonFinite:
 
 
 def _growth(seen: Seen, ins: list[Seen], settings: Settings) -> Growth | None:
-    out = max(abs(seen.stats[0]), abs(seen.stats[1]))
+    out = max_abs(seen.stats)
     if out < settings.floor:
         return None
-    sizes = [max(abs(x.stats[0]), abs(x.stats[1])) for x in ins
-             if x.dtype in FLOAT_DTYPES and x.stats is not None]
+    sizes = [max_abs(x.stats) for x in ins if x.dtype in FLOAT_DTYPES and x.stats is not None]
     sizes = [s for s in sizes if math.isfinite(s)]
     if not sizes or max(sizes) == 0:
         return None  # nothing to grow from: a creation op, or all-zero inputs
@@ -232,21 +242,24 @@ def scan_round(rnd: Round, settings: Settings = Settings()) -> RoundScan:
     return scan_items(items, rnd.process.name, rnd.index, settings)
 
 
+_NOTHING_TO_READ = Stats(0.0, 0.0, math.nan, math.nan)   # finite, as far as the scan looks
+
+
 def _stats_from_data(path: str | None, dtype: str, shape: str) -> Stats | None:
-    """(max, min, nan, nan) of a tensor's data: all the scan needs; finite values for integer
-    and empty tensors without reading them."""
-    if dtype not in FLOAT_DTYPES or "0" in shape.split("x"):
-        return (0.0, 0.0, math.nan, math.nan) if dtype != "?" else None
+    """The max and min of a tensor's data (mean and norm NaN): all the scan needs; finite
+    values for integer and empty tensors without reading them."""
+    if dtype not in FLOAT_DTYPES or is_empty_shape(shape):
+        return _NOTHING_TO_READ if dtype != "?" else None
     try:
         array = load_values(path)
     except NoData:
         return None
     if array.size == 0:
-        return 0.0, 0.0, math.nan, math.nan
+        return _NOTHING_TO_READ
     if np.iscomplexobj(array):
         array = np.abs(array)
     with np.errstate(invalid="ignore"):
-        return float(array.max()), float(array.min()), math.nan, math.nan
+        return Stats(float(array.max()), float(array.min()), math.nan, math.nan)
 
 
 def _scan_round_at(process_path: str, round_path: str, settings: Settings) -> RoundScan:
@@ -279,13 +292,12 @@ def scan_compared(rows) -> list[RoundScan]:
     """The scan of the tensors a comparison read, per side and round (compare.PairResult rows,
     statistics taken from the data where it was read)."""
     out = []
-    for side in ("golden", "target"):
+    for side in Role:
         rounds: dict[tuple[str, int], list] = {}
         for r in rows:
-            ref = r.golden if side == "golden" else r.target
-            stats = r.golden_stats if side == "golden" else r.target_stats
+            ref = r.ref(side)
             rounds.setdefault((ref.process, ref.round_index), []).append(
-                (ref.order, Seen(ref.data_name, ref.io, ref.dtype, stats)))
+                (ref.order, Seen(ref.data_name, ref.io, ref.dtype, r.stats(side))))
         for (process, index), items in rounds.items():
             items.sort(key=lambda item: item[0])
             scanned = scan_items([s for _, s in items], process, index, side=side)

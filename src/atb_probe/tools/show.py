@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 
 from .. import layout
 from ..statcsv import COLUMNS
@@ -67,24 +68,32 @@ def build_tree(dump, depth: int):
         files, size = _sum(t for r in proc.rounds for t in r.tensors)
         label = (f"[bold]{proc.name}[/]  {len(proc.rounds)} round(s), {files} tensors, "
                  f"{size_text(size)}")
-        phases = [os.path.basename(p)[:-5] for p in models.get(proc.name, [])]
+        phases = [layout.parse_info_file(os.path.basename(p))
+                  for p in models.get(proc.name, [])]
         if phases:
             label += f"  model: {', '.join(phases)}"
         pnode = tree.add(label)
         structure = module_paths(dump.root, proc.name) if dump.root else {}
         for rnd in proc.rounds:
-            model, paths = structure.get(rnd.index, (None, {}))
-            _add_round(pnode, rnd, depth, model, paths)
+            _add_round(pnode, rnd, depth, structure.get(rnd.index, RoundModules()))
     return tree
 
 
-def module_paths(root: str, proc: str) -> dict[int, tuple[str, dict[str, str]]]:
-    """{round: (model name, {op ID: module path})} from a process's structure files (SPEC §5):
-    each model file names its rounds; its layer files (in a folder of the model's name for every
-    model but the first) give the paths of the ops below the layer-level ones."""
+@dataclass(slots=True)
+class RoundModules:
+    """What a process's structure files say of one of its rounds."""
+
+    model: str | None = None                      # the model's name
+    paths: dict[str, str] = field(default_factory=dict)   # op ID -> module path
+
+
+def module_paths(root: str, proc: str) -> dict[int, RoundModules]:
+    """The model and module paths of each round (by index) from a process's structure files
+    (SPEC §5): each model file names its rounds; its layer files (in a folder of the model's
+    name for every model but the first) give the paths of the ops below the layer-level ones."""
     model_dir = os.path.join(root, layout.model_info_dir(proc))
     layer_dir = os.path.join(root, layout.layer_info_dir(proc))
-    out: dict[int, tuple[str, dict[str, str]]] = {}
+    out: dict[int, RoundModules] = {}
     layer_paths: dict[str, dict[str, str]] = {}
     for doc in _json_files(model_dir):
         model = doc.get("modelType")
@@ -95,18 +104,18 @@ def module_paths(root: str, proc: str) -> dict[int, tuple[str, dict[str, str]]]:
             paths = layer_paths[model] = {}
             for layer in _json_files(folder if os.path.isdir(folder) else layer_dir):
                 _collect_paths(layer, paths)
-        paths = dict(layer_paths[model])
-        _collect_paths({"nodes": doc.get("nodes", [])}, paths)
+        modules = RoundModules(model, dict(layer_paths[model]))
+        _collect_paths({"nodes": doc.get("nodes", [])}, modules.paths)
         for pair in doc.get("rounds") or []:
             if isinstance(pair, list) and len(pair) == 2 and all(isinstance(i, int) for i in pair):
                 for index in range(pair[0], pair[1] + 1):
-                    out[index] = (model, paths)
+                    out[index] = modules
     return out
 
 
 def _json_files(folder: str):
     try:
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+        names = sorted(n for n in os.listdir(folder) if layout.parse_info_file(n) is not None)
     except OSError:
         return
     for name in names:
@@ -129,31 +138,28 @@ def _collect_paths(node: dict, paths: dict[str, str]) -> None:
         _collect_paths(child, paths)
 
 
-def _add_round(parent, rnd: Round, depth: int, model: str | None = None,
-               paths: dict[str, str] | None = None) -> None:
+def _add_round(parent, rnd: Round, depth: int, modules: RoundModules) -> None:
     from rich.markup import escape
     files, size = _sum(rnd.tensors)
     source = "statistic.csv" if os.path.isfile(rnd.csv_path) else "no statistic.csv: folders"
     label = f"round [bold]{rnd.index}[/]"
-    if model:
-        label += f"  model={escape(model)}"
+    if modules.model:
+        label += f"  model={escape(modules.model)}"
     rnode = parent.add(f"{label}  task={rnd.task}  {files} tensors, {size_text(size)}  "
                        f"({source})")
     for child in op_tree(rnd).children:
-        _add_op(rnode, child, 1, depth, "", paths or {})
+        _add_op(rnode, child, 1, depth, modules.paths)
 
 
-def _add_op(parent, node: OpNode, level: int, depth: int, parent_id: str,
-            paths: dict[str, str]) -> None:
+def _add_op(parent, node: OpNode, level: int, depth: int, paths: dict[str, str]) -> None:
     """One op with the totals of its subtree and its module path; its children while
     `level < depth`."""
     from rich.markup import escape
     tensors = list(_subtree_tensors(node))
     files, size = _sum(tensors)
-    op_id = f"{parent_id}_{node.own_id}" if parent_id else node.own_id
-    label = f"{escape(node.own_id)}_{escape(node.name)}"
-    if op_id in paths:
-        label += f" [dim]({escape(paths[op_id] or '<root>')})[/]"
+    label = escape(layout.op_folder(node.own_id, node.name))
+    if node.op_id in paths:
+        label += f" [dim]({escape(paths[node.op_id] or '<root>')})[/]"
     label += f"  {files} tensors, {size_text(size)}"
     below = node.count() - (node.op is not None)
     if below and level >= depth:
@@ -161,7 +167,7 @@ def _add_op(parent, node: OpNode, level: int, depth: int, parent_id: str,
     branch = parent.add(label)
     if level < depth:
         for child in node.children:
-            _add_op(branch, child, level + 1, depth, op_id, paths)
+            _add_op(branch, child, level + 1, depth, paths)
 
 
 def _subtree_tensors(node: OpNode):

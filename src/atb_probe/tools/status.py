@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 from .. import layout
 from . import size_text
@@ -82,11 +83,21 @@ def unfinished(doc: dict) -> bool:
         bool(doc.get("round_open"))
 
 
-def verdict(docs: list[dict]) -> tuple[bool, str]:
-    """(complete, message): complete when no live process has data still to come (SPEC §8)."""
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether a dump is on disk: complete when no live process has data still to come
+    (SPEC §8), and the line that says so."""
+
+    complete: bool
+    message: str
+
+
+def verdict(docs: list[dict]) -> Verdict:
+    """The verdict on the processes' status documents."""
     if not docs:
-        return True, ("nothing found: no status file, so no process has loaded the probe with "
-                      "this output yet (or none could write there: check that it is writable)")
+        return Verdict(True, "nothing found: no status file, so no process has loaded the probe "
+                             "with this output yet (or none could write there: check that it is "
+                             "writable)")
     busy = [d for d in docs if d["alive"] and unfinished(d)]
     died = [d for d in docs if not d["alive"] and not d.get("exited")]
     cut = [d for d in died if unfinished(d)]
@@ -99,7 +110,7 @@ def verdict(docs: list[dict]) -> tuple[bool, str]:
             what.append(f"a dumped round running in {running}")
         if not what:
             what.append("model files about to be rewritten")
-        return False, f"NOT COMPLETE: {', '.join(what)} ({len(busy)} process(es))"
+        return Verdict(False, f"NOT COMPLETE: {', '.join(what)} ({len(busy)} process(es))")
     parts = ["COMPLETE: all queued data is on disk"]
     if lost:
         parts.append(f"but {len(lost)} process(es) ended with data never written")
@@ -112,7 +123,7 @@ def verdict(docs: list[dict]) -> tuple[bool, str]:
     errors = [d for d in docs if d.get("last_error")]
     if errors:
         parts.append(f"{len(errors)} process(es) reported an error")
-    return True, "; ".join(parts)
+    return Verdict(True, "; ".join(parts))
 
 
 def unselected_warning(docs: list[dict]) -> str | None:
@@ -147,16 +158,16 @@ def _status(args) -> int:
     deadline = time.monotonic() + max(0.0, args.wait)
     while True:
         docs = read_statuses(args.output)
-        complete, message = verdict(docs)
-        if (complete and docs) or time.monotonic() >= deadline:
+        found = verdict(docs)
+        if (found.complete and docs) or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
     warning = unselected_warning(docs)
     if args.json:
-        json.dump({"complete": complete and bool(docs), "message": message,
+        json.dump({"complete": found.complete and bool(docs), "message": found.message,
                    "warning": warning, "processes": docs}, sys.stdout, indent=2)
         print()
-        return _code(complete, docs)
+        return _code(found.complete, docs)
     for d in docs:
         state = d.get("state", "?") if d["alive"] else ("exited" if d.get("exited") else "gone")
         print(f"{d['name']:>16}  {state:<8}  rounds {d.get('rounds_dumped', 0):>4} dumped "
@@ -172,10 +183,10 @@ def _status(args) -> int:
             print(f"{'':>16}  config file not used: {d['config_problem']}")
         if d.get("last_error"):
             print(f"{'':>16}  last error: {d['last_error']}")
-    print(message)
+    print(found.message)
     if warning:
         print(warning)
-    return _code(complete, docs)
+    return _code(found.complete, docs)
 
 
 def _code(complete: bool, docs: list[dict]) -> int:
