@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from atb_probe import load
+from atb_probe import layout, load
 from atb_probe.binfile import encode_header, read_header
 from atb_probe.dtypes import DTYPES
 from atb_probe.statcsv import COLUMNS, HEADER
@@ -134,6 +134,28 @@ def test_structure_files_describe_layers_and_model_phases(all_dump):
     assert [n["opName"] for n in model["nodes"]] == [
         f"{n.split('_', 1)[1]}_{n.split('_', 1)[0]}" for n in LLAMA_LAYERS]
     assert model["param"]["num_hidden_layers"] == 2
+
+
+def test_every_path_in_the_tree_is_the_one_layout_builds(all_dump):
+    """The tools read the tree through `layout`: each row's file, each structure file is
+    where its functions say."""
+    devpid = only_proc(all_dump).name
+    for index in (0, 1):
+        rnd = all_dump / layout.round_dir(devpid, index)
+        rows = read_csv(Path(layout.round_csv(str(rnd))))
+        assert rows
+        for r in rows:
+            side = layout.parse_side(r["Input/Output"])
+            assert side in (layout.Side.INPUT, layout.Side.OUTPUT)
+            op = rnd / layout.op_path(r["Op Id"], r["Op Name"])
+            assert r["Tensor Path"] == layout.tensor_rel(str(op), side, r["Index"])
+    assert [p.name for p in (all_dump / layout.info_kind_dir("layer")).iterdir()] == [devpid]
+    layers = sorted(p.name for p in (all_dump / layout.layer_info_dir(devpid)).iterdir())
+    assert layers == sorted(layout.layer_info_file(*reversed(n.split("_", 1)))
+                            for n in LLAMA_LAYERS)
+    models = sorted(layout.parse_info_file(p.name)
+                    for p in (all_dump / layout.model_info_dir(devpid)).iterdir())
+    assert models == ["LlamaForCausalLM_Decoder", "LlamaForCausalLM_Prefill"]
 
 
 def test_op_param_records_module_config_and_plain_arguments(all_dump):

@@ -6,10 +6,12 @@ import csv
 import io
 import math
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from atb_probe.stats_cell import fill, new_cell, new_serial
-from atb_probe.statcsv import (NA, format_number, format_sides, mark_missing, shape_cell,
+from atb_probe.statcsv import (NA, STAT_COLUMNS, Stats, format_number, format_sides,
+                              is_empty_shape, mark_missing, parse_shape, parse_stats, shape_cell,
                               tensor_path_cell)
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=12) | \
@@ -87,3 +89,31 @@ def test_numbers_round_trip_and_name_special_values():
     assert [format_number(v) for v in (0.1, -0.0, 1e-300, float("inf"), -float("inf"))] == \
         ["0.1", "-0.0", "1e-300", "inf", "-inf"]
     assert format_number(float("nan")) == "nan" and format_number(None) == NA
+
+
+@given(st.lists(st.integers(0, 10 ** 9), max_size=6).map(tuple))
+def test_a_shape_cell_reads_back_as_the_dimensions_it_was_written_from(dims):
+    cell = shape_cell(dims)
+    assert parse_shape(cell) == dims
+    assert is_empty_shape(cell) == (0 in dims)
+
+
+@pytest.mark.parametrize("cell", ["?", "4x", "x4", "4 x 2", "4,2", "²", "N/A"])
+def test_text_that_is_no_shape_cell_is_refused_and_never_empty(cell):
+    with pytest.raises(ValueError, match="not a Shape cell"):
+        parse_shape(cell)
+    assert not is_empty_shape(cell)
+
+
+@given(st.tuples(FLOAT, FLOAT, FLOAT, FLOAT))
+def test_statistics_cells_read_back_as_the_values_written(values):
+    row = dict(zip(STAT_COLUMNS, map(format_number, values)))
+    stats = parse_stats(row)
+    assert isinstance(stats, Stats)
+    for got, want in zip(stats, values):
+        assert got == want or (math.isnan(got) and math.isnan(want))
+
+
+def test_statistics_that_are_not_there_read_as_none():
+    assert parse_stats(dict.fromkeys(STAT_COLUMNS, NA)) is None      # task=tensor
+    assert parse_stats({"Max": "1.0", "Min": "0.0"}) is None          # another table
