@@ -75,7 +75,7 @@ def print_tree(root: str, max_ops: int = 8) -> None:
             rows = _count_lines(rnd.csv_path) - 1
             print(f"    {rnd.index}/  statistic.csv ({rows} tensors), {len(ops)} layer-level ops")
             for op in ops[:max_ops]:
-                files, size = _du(op.path)
+                files, size = _disk_usage(op.path)
                 print(f"      {layout.op_folder(op.own_id, op.name)}/  {files} files, "
                       f"{size} bytes")
             if len(ops) > max_ops:
@@ -96,7 +96,7 @@ def _count_lines(path: str) -> int:
         return 0
 
 
-def _du(path: str) -> tuple[int, int]:
+def _disk_usage(path: str) -> tuple[int, int]:
     files = size = 0
     for base, _, names in os.walk(path):
         for n in names:

@@ -80,12 +80,12 @@ class Finding:
             cos = "N/A" if m.cosine is None else f"{m.cosine:.6f}"
             ratio = m.one_thousandth_ratio
             ratio_text = "N/A" if ratio is None else f"{ratio:.4f}"
-            what = f"cosine {cos}, 1‰-ratio {ratio_text}, max abs err {_num(m.max_abs_err)}"
+            what = f"cosine {cos}, 1‰-ratio {ratio_text}, max abs err {_number(m.max_abs_err)}"
         elif r.diffs.norm_rel_pct is None and r.golden_stats and r.target_stats:
-            what = (f"norm {_num(r.target_stats.norm)} against the golden "
-                    f"{_num(r.golden_stats.norm)}")
+            what = (f"norm {_number(r.target_stats.norm)} against the golden "
+                    f"{_number(r.golden_stats.norm)}")
         else:
-            what = f"relative norm error {_num(r.diffs.norm_rel_pct)}%"
+            what = f"relative norm error {_number(r.diffs.norm_rel_pct)}%"
         where = f"round {self.round_index}, {self.where()} ({r.name.rsplit('/', 1)[1]})"
         if self.inputs_clean:
             inside = (f"; inside it, {self.first_inside} is the first to differ"
@@ -136,5 +136,5 @@ def first_divergence(ops: Iterable[OpRows], th: Thresholds) -> Finding | None:
     return fallback
 
 
-def _num(value) -> str:
+def _number(value) -> str:
     return "N/A" if value is None else f"{value:.6g}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import html
 import math
+from dataclasses import dataclass
 
 from ..layout import Side
 from .comparison import CompareResult, PairMode, PairResult, Role
@@ -70,7 +71,7 @@ def render_html(result: CompareResult) -> str:
     return "\n".join(parts)
 
 
-def _e(value) -> str:
+def _escape(value) -> str:
     return html.escape(str(value), quote=True)
 
 
@@ -86,20 +87,20 @@ def _finding_box(result) -> str:
     f = result.finding
     if f is None:
         return (f"<div class='ok'><b>No divergence.</b> No output crosses "
-                f"{_e(result.thresholds.describe())}.</div>")
+                f"{_escape(result.thresholds.describe())}.</div>")
     cls = "bad" if f.inputs_clean else "warn"
     head = "First divergence" if f.inputs_clean else "First crossing op (its inputs differ too)"
-    where = f"<code>{_e(f.op_path)}</code>"
+    where = f"<code>{_escape(f.op_path)}</code>"
     if f.golden_op_path != f.op_path:
-        where += f" ↔ <code>{_e(f.golden_op_path)}</code>"
+        where += f" ↔ <code>{_escape(f.golden_op_path)}</code>"
     return (f"<div class='{cls}'><div class='big'>{head}: round {f.round_index}, "
-            f"{where}</div><div>{_e(f.summary())}</div>"
-            f"<div>golden op: <code>{_e(f.golden_op_path)}</code> · thresholds: "
-            f"{_e(result.thresholds.describe())}</div></div>")
+            f"{where}</div><div>{_escape(f.summary())}</div>"
+            f"<div>golden op: <code>{_escape(f.golden_op_path)}</code> · thresholds: "
+            f"{_escape(result.thresholds.describe())}</div></div>")
 
 
 def _summary(result: CompareResult) -> str:
-    rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>"
+    rows = "".join(f"<tr><th>{_escape(k)}</th><td>{_escape(v)}</td></tr>"
                    for k, v in result.summary_lines() if k != "first divergence")
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     return (f"<h2>Summary</h2><table class='kv'>{rows}"
@@ -125,7 +126,7 @@ def _plots(result) -> str:
            "the thresholds; the ring marks the first divergence; equal tensors lie on the bottom "
            "line. Hover a point for its name.</p>"]
     for key in chosen:
-        out.append(f"<h3>round {_e(key)}</h3>")
+        out.append(f"<h3>round {_escape(key)}</h3>")
         out.append(_svg(rounds[key], f if f is not None and f.round_index == key else None,
                         flagged))
     if len(keys) > len(chosen):
@@ -165,10 +166,10 @@ def _svg(rows: list[PairResult], finding, flagged: dict[tuple[str, str, int], st
             band += 1
             label = keys[start].rsplit("/", 1)[-1]
             svg.append(f"<rect x='{x0:.1f}' y='{top}' width='{x1 - x0:.1f}' height='{plot_h}' "
-                       f"fill='{shade}'><title>{_e(keys[start])}</title></rect>")
+                       f"fill='{shade}'><title>{_escape(keys[start])}</title></rect>")
             if x1 - x0 > 7 * min(len(label), 24):
                 svg.append(f"<text x='{(x0 + x1) / 2:.1f}' y='{top - 8}' class='lbl' "
-                           f"text-anchor='middle'>{_e(label[:24])}</text>")
+                           f"text-anchor='middle'>{_escape(label[:24])}</text>")
             start = i
     for lg in range(_FLOOR, _CEIL + 1, 2):
         yy = top + (_CEIL - lg) * plot_h / (_CEIL - _FLOOR)
@@ -184,37 +185,48 @@ def _svg(rows: list[PairResult], finding, flagged: dict[tuple[str, str, int], st
         tip = (f"{row.name}\nrelative error {_fmt(err)}\ncosine "
                f"{_fmt(row.metrics.cosine)}\nmax abs err {_fmt(row.metrics.max_abs_err)}")
         svg.append(f"<circle cx='{x(i):.1f}' cy='{y(err):.1f}' r='{3 if bad else 2.2}' "
-                   f"class='{'pb' if bad else 'pg'}'><title>{_e(tip)}</title></circle>")
+                   f"class='{'pb' if bad else 'pg'}'><title>{_escape(tip)}</title></circle>")
         if _key(row) in flagged:
             svg.append(f"<rect x='{x(i) - 5:.1f}' y='{y(err) - 5:.1f}' width='10' height='10' "
-                       f"class='nf'><title>{_e(flagged[_key(row)])}</title></rect>")
+                       f"class='nf'><title>{_escape(flagged[_key(row)])}</title></rect>")
         if finding is not None and row is finding.row:
             svg.append(f"<circle cx='{x(i):.1f}' cy='{y(err):.1f}' r='8' class='ring'/>")
     svg.append("</svg>")
     return "".join(svg)
 
 
-def _layers(result) -> str:
-    layers: dict[tuple[int, str], dict] = {}
-    for row in result.rows:
-        if row.io != Side.OUTPUT:
-            continue
-        key = (row.round_index, row.layer)
-        entry = layers.setdefault(key, {"outputs": 0, "crossing": 0, "cos": None, "err": None})
-        entry["outputs"] += 1
-        entry["crossing"] += row.diverged is True
+@dataclass(slots=True)
+class _LayerOutputs:
+    """The compared outputs of one layer-level op (and of the ops inside it) in one round."""
+
+    outputs: int = 0
+    crossing: int = 0
+    min_cosine: float | None = None
+    max_error: float | None = None   # relative_error
+
+    def add(self, row: PairResult) -> None:
+        self.outputs += 1
+        self.crossing += row.diverged is True
         cos = row.metrics.cosine
         if cos is not None:
-            entry["cos"] = cos if entry["cos"] is None else min(entry["cos"], cos)
+            self.min_cosine = cos if self.min_cosine is None else min(self.min_cosine, cos)
         err = relative_error(row)
         if err is not None:
-            entry["err"] = err if entry["err"] is None else max(entry["err"], err)
+            self.max_error = err if self.max_error is None else max(self.max_error, err)
+
+
+def _layers(result) -> str:
+    layers: dict[tuple[int, str], _LayerOutputs] = {}
+    for row in result.rows:
+        if row.io == Side.OUTPUT:
+            layers.setdefault((row.round_index, row.layer), _LayerOutputs()).add(row)
     if not layers:
         return ""
     body = "".join(
-        f"<tr class='{'bad' if e['crossing'] else ''}'><td>{_e(r)}</td><td>{_e(layer)}</td>"
-        f"<td>{e['outputs']}</td><td>{e['crossing']}</td><td>{_fmt(e['cos'])}</td>"
-        f"<td>{_fmt(e['err'])}</td></tr>" for (r, layer), e in layers.items())
+        f"<tr class='{'bad' if e.crossing else ''}'><td>{_escape(r)}</td>"
+        f"<td>{_escape(layer)}</td><td>{e.outputs}</td><td>{e.crossing}</td>"
+        f"<td>{_fmt(e.min_cosine)}</td><td>{_fmt(e.max_error)}</td></tr>"
+        for (r, layer), e in layers.items())
     return ("<h2>Per layer</h2><table class='grid'><tr><th>round</th><th>layer</th>"
             "<th>outputs</th><th>crossing</th><th>min cosine</th><th>max relative error</th>"
             f"</tr>{body}</table>")
@@ -244,11 +256,11 @@ def _scan(result: CompareResult) -> str:
     """What `atb-probe scan` finds in the compared tensors of each side."""
     items = []
     for scanned in result.scan:
-        where = f"{_e(scanned.side)} {_e(scanned.process)} round {scanned.round_index}"
+        where = f"{_escape(scanned.side)} {_escape(scanned.process)} round {scanned.round_index}"
         if scanned.first is not None:
-            items.append(f"<li><b>{where}:</b> {_e(scanned.first.summary(scanned))}</li>")
+            items.append(f"<li><b>{where}:</b> {_escape(scanned.first.summary(scanned))}</li>")
         for g in scanned.growth[:20]:
-            items.append(f"<li>{where}: growth warning: {_e(g.summary())}</li>")
+            items.append(f"<li>{where}: growth warning: {_escape(g.summary())}</li>")
         if len(scanned.growth) > 20:
             items.append(f"<li>{where}: {len(scanned.growth) - 20} more growth warnings</li>")
     if not items:
@@ -262,8 +274,9 @@ def _scan(result: CompareResult) -> str:
 def _unmatched(result) -> str:
     if not result.unmatched:
         return "<h2>Unmatched</h2><p>Everything was matched.</p>"
-    body = "".join(f"<tr><td>{_e(u.side)}</td><td>{_e(u.kind)}</td><td>{_e(u.where)}</td>"
-                   f"<td><code>{_e(u.what)}</code></td><td>{u.count}</td></tr>"
+    body = "".join(f"<tr><td>{_escape(u.side)}</td><td>{_escape(u.kind)}</td>"
+                   f"<td>{_escape(u.where)}</td><td><code>{_escape(u.what)}</code></td>"
+                   f"<td>{u.count}</td></tr>"
                    for u in result.unmatched[:MAX_TABLE_ROWS])
     return ("<h2>Unmatched</h2><p>Present in one dump only (the two runs executed different ops "
             "there, or were dumped with different filters).</p><table class='grid'><tr>"
@@ -273,16 +286,16 @@ def _unmatched(result) -> str:
 
 def _table(result) -> str:
     rows = result.rows[:MAX_TABLE_ROWS]
-    head = "".join(f"<th>{_e(c)}</th>" for c in TABLE_COLUMNS)
+    head = "".join(f"<th>{_escape(c)}</th>" for c in TABLE_COLUMNS)
     flagged = _flagged(result)
     body = []
     for row in rows:
         cls = "bad" if row.diverged else ""
-        cells = "".join(f"<td>{_e(_fmt(get(row)))}</td>" for get in _TABLE_GETTERS)
+        cells = "".join(f"<td>{_escape(_fmt(get(row)))}</td>" for get in _TABLE_GETTERS)
         mark = flagged.get(_key(row))
         if mark:
             cls += " nf"
-            cells = cells.replace("<td>", f"<td title='{_e(mark)}'>⚠ ", 1)
+            cells = cells.replace("<td>", f"<td title='{_escape(mark)}'>⚠ ", 1)
         body.append(f"<tr class='{cls.strip()}'>{cells}</tr>")
     more = (f"<p>Showing the first {MAX_TABLE_ROWS} of {len(result.rows)} rows; the CSV and "
             ".xlsx hold all of them.</p>" if len(result.rows) > MAX_TABLE_ROWS else "")
