@@ -20,8 +20,9 @@ ops of different names, children are paired only by name or by the map. The tens
 of different names are paired by shape: outputs index to index (or as the map says), inputs in
 call order, each with the first unused input of the other side of the same shape.
 
-Match methods (comparison.MatchMethod), as the `Match` column shows them: `id`, `name`, `map` (the map made the pair, here
-or above), `order` (execution order and shapes made the pair, here or above).
+Match methods (comparison.MatchMethod), as the `Match` column shows them: `id`, `name`, `map`
+(the map made the pair, here or above), `order` (execution order and shapes made the pair, here
+or above).
 """
 from __future__ import annotations
 
