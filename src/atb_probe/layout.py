@@ -56,8 +56,8 @@ class Side(str, enum.Enum):
     INPUT = "input"
     OUTPUT = "output"
 
-    def __str__(self) -> str:
-        return self.value
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 _SIDES = {side.value: side for side in Side}

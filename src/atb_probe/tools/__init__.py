@@ -8,8 +8,8 @@ class StrEnum(str, enum.Enum):
     """A closed set of strings (Python 3.11's `enum.StrEnum`, for 3.10): a member compares, hashes
     and prints as its text, so it goes into output as it is."""
 
-    def __str__(self) -> str:
-        return self.value
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 def size_text(n) -> str:

@@ -28,6 +28,7 @@ from functools import cached_property
 from .. import layout
 from ..binfile import BinFormatError
 from ..binread import HeaderOnlyError, load_numpy, load_tensor
+from ..config import Task
 from ..layout import Side
 from ..naming import is_uninitialized
 from ..statcsv import COLUMNS, NA, Stats, parse_stats, shape_cell
@@ -195,16 +196,16 @@ class Round:
         return list(by_id.values())
 
     @cached_property
-    def task(self) -> str:
-        """What the round was dumped with: tensor, statistics, all (or `unknown`)."""
+    def task(self) -> Task | None:
+        """What the round was dumped with, as its rows show; None for a round without rows."""
         rows = self.tensors
         if not rows:
-            return "unknown"
+            return None
         has_stats = any(t.stats is not None for t in rows)
         has_files = any(t.row.get("Tensor Path", NA) != NA for t in rows)
         if has_stats and has_files:
-            return "all"
-        return "statistics" if has_stats else "tensor"
+            return Task.ALL
+        return Task.STATISTICS if has_stats else Task.TENSOR
 
     def _from_csv(self) -> list[TensorRecord]:
         records = []

@@ -145,8 +145,8 @@ def _add_round(parent, rnd: Round, depth: int, modules: RoundModules) -> None:
     label = f"round [bold]{rnd.index}[/]"
     if modules.model:
         label += f"  model={escape(modules.model)}"
-    rnode = parent.add(f"{label}  task={rnd.task}  {files} tensors, {size_text(size)}  "
-                       f"({source})")
+    rnode = parent.add(f"{label}  task={rnd.task or 'unknown'}  {files} tensors, "
+                       f"{size_text(size)}  ({source})")
     for child in op_tree(rnd).children:
         _add_op(rnode, child, 1, depth, modules.paths)
 
