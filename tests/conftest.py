@@ -1,15 +1,10 @@
-"""Shared fixtures: tiny real models, dumps made in-process or through the load script."""
+"""Shared fixtures: tiny real models and dumps made in this process (other processes: harness.py)."""
 from __future__ import annotations
 
 import csv
-import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import textwrap
-import time
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,35 +12,10 @@ import torch
 from torch import nn
 
 import atb_probe
-from atb_probe.tools.where import scripts_dir
-
-SCRIPTS = Path(scripts_dir())
-
-# Prefix for the command of a program whose signal handling a test checks: it starts with SIGINT
-# and SIGTERM at their defaults, as a program started from a terminal does, however the suite
-# was started. A background job (`pytest ... &` in a script), `nohup` or a CI runner may start the
-# suite with SIGINT ignored, and every child inherits that: Python installs its KeyboardInterrupt
-# handler only when SIGINT is not ignored at start, and the probe its SIGTERM handler only when
-# SIGTERM is at its default. (`preexec_fn` would do the same, but is unsafe with threads.)
-DEFAULT_SIGNALS = "env --default-signal=INT,TERM"
-
-FULL_CONFIG = {
-    "task": "tensor",
-    "dump_enable": True,
-    "exec_range": "all",
-    "ids": "",
-    "op_name": "",
-    "save_child": False,
-    "device": "",
-    "filter_level": 1,
-}
-
-
-def config(**overrides) -> dict:
-    """A complete config document (no missing-key warnings) with `overrides` applied."""
-    doc = dict(FULL_CONFIG)
-    doc.update(overrides)
-    return doc
+from atb_probe.binfile import read_header
+from atb_probe.statcsv import COLUMNS
+# `run_loaded` too: tests/test_tools_compare_messages.py imports it from here.
+from harness import config, run, run_loaded, wait_until  # noqa: F401
 
 
 def tiny_llama(layers: int = 2, hidden: int = 32, vocab: int = 64, seed: int = 0,
@@ -118,47 +88,6 @@ def op_dirs(round_dir: Path) -> list[str]:
                   if p.is_dir() and p.name not in ("before", "after"))
 
 
-def run_loaded(tmp: Path, script: str, cfg: dict | None = None, load_args: str | None = None,
-               env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python script` in `bash -c` after sourcing the load script, like a user would."""
-    script_path = tmp / "user_script.py"
-    script_path.write_text(textwrap.dedent(script))
-    if cfg is not None:
-        (tmp / "config.json").write_text(json.dumps(cfg))
-    if load_args is None:
-        load_args = f"--output={tmp} --config={tmp / 'config.json'}"
-    cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" {load_args} && '
-           f'"{sys.executable}" "{script_path}"')
-    full_env = dict(os.environ)
-    for key in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP"):
-        full_env.pop(key, None)
-    full_env.update(env or {})
-    return subprocess.run(["bash", "-c", cmd], cwd=tmp, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def torchrun_loaded(tmp: Path, cfg: dict, script: Path, *args: str, ranks: int = 2) -> str:
-    """`torchrun --nproc-per-node <ranks> script args` (CPU) from a shell that sourced the load
-    script with `cfg` as config.json; its stdout (the run must succeed)."""
-    (tmp / "config.json").write_text(json.dumps(cfg))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output="{tmp}" --config="{tmp}/config.json"'
-           f' && "{torchrun}" --nproc-per-node {ranks} --master-addr 127.0.0.1'
-           f' --master-port {port} "{script}" {" ".join(args)}')
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP",
-                        "ATB_PROBE_PYTHONPATH_WAS_SET", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(["bash", "-c", cmd], cwd=tmp, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "cannot dump" not in result.stderr, result.stderr
-    return result.stdout
-
-
 MSPROBE_DEFAULT = Path(__file__).resolve().parent.parent / ".venv-msprobe" / "bin" / "msprobe"
 
 
@@ -173,41 +102,6 @@ def msprobe_executable() -> str | None:
 
 MSPROBE_MISSING = ("mindstudio-probe not found: set MSPROBE to its msprobe executable (default: "
                    ".venv-msprobe/bin/msprobe in this checkout, then PATH)")
-
-
-def wait_until(condition, timeout: float, what: str, interval: float = 0.01):
-    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
-class LiveProcess:
-    """What the tests of a running, probed process share: its config file and its status.
-    Subclasses set `config_path` and `status_file`."""
-
-    config_path: Path
-    status_file: Path
-
-    def status(self) -> dict:
-        return json.loads(self.status_file.read_text())
-
-    def write_config(self, **overrides) -> float:
-        """Save config.json the way an editor does (truncate, then write); the time it was saved."""
-        with open(self.config_path, "w") as f:
-            f.write(json.dumps(config(**overrides), indent=4))
-        return time.monotonic()
-
-    def wait_applied(self, timeout: float = 5, **overrides) -> dict:
-        """Wait until the status shows `config(**overrides)` in effect; the status."""
-        want = config(**overrides)
-        return wait_until(lambda: (lambda s: s if s["config_in_effect"] == want else None)(
-            self.status()), timeout, f"config {overrides} in effect")
 
 
 def count_rounds_by_config(rounds: dict, tensor_op: str, stats_op: str) -> dict:
@@ -242,6 +136,127 @@ with torch.no_grad():
     out = model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
 print("OK", out.shape[1])
 """
+
+
+# -- checking a dump, and file systems mounted for one test (the reliability tests) ----------
+
+def bins(root: Path) -> list[Path]:
+    """Every .bin file below `root`."""
+    return [Path(d) / n for d, _, files in os.walk(root) for n in files if n.endswith(".bin")]
+
+
+def check_dump(root: Path, temp_files_allowed: bool = False) -> list[dict]:
+    """Every .bin parses and holds exactly what its header says; every csv line is whole and
+    names a file that is there (or N/A). Returns the csv rows."""
+    rows = []
+    for d, _, files in os.walk(root):
+        for name in files:
+            path = Path(d) / name
+            if name.endswith(".tmp"):
+                assert temp_files_allowed, f"temporary file left behind: {path}"
+                continue
+            assert not name.startswith("."), path
+            if name.endswith(".bin"):
+                header = read_header(path)  # raises on a partial file
+                assert header.payload_offset + header.nbytes == path.stat().st_size
+            if name == "statistic.csv":
+                with open(path, newline="") as f:
+                    lines = f.read().split("\n")
+                assert lines[-1] == "", f"{path} ends in a partial line"
+                table = list(csv.reader(lines[:-1]))
+                assert table[0] == list(COLUMNS)
+                assert all(len(r) == len(COLUMNS) for r in table[1:]), path
+                rows += [dict(zip(COLUMNS, r)) for r in table[1:]]
+    for r in rows:
+        if r["Tensor Path"] != "N/A":
+            assert Path(r["Tensor Path"]).is_file(), r["Tensor Path"]
+    return rows
+
+
+def probe_lines(err: str, level: str) -> list[str]:
+    """The probe's lines of `level` (ERROR, WARNING) in a process's stderr."""
+    return [line for line in err.splitlines() if line.startswith(f"[atb-probe] {level}")]
+
+
+def _fd_target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+class Mounted:
+    """A file system mounted for one test."""
+
+    def __init__(self, path: Path, source: str, fstype: str, options: str):
+        self.path, self.source, self.fstype, self.options = path, source, fstype, options
+
+    def mount(self) -> None:
+        done = run(["mount", "-t", self.fstype, "-o", self.options, self.source, self.path],
+                   timeout=60)
+        if done.returncode:
+            pytest.skip(f"cannot mount a {self.fstype} here: {done.stderr.strip()}")
+
+    def umount(self) -> None:
+        if run(["umount", self.path], timeout=60).returncode:
+            run(["umount", "-l", self.path], timeout=60)  # never leave a mount behind
+
+    def remount(self) -> None:
+        """Unmount and mount again: what is on disk, as the next reader sees it."""
+        tries = []
+
+        def unmounted() -> bool:  # a descriptor closed a moment ago may still be on its way out
+            tries.append(run(["umount", self.path], timeout=60))
+            return tries[-1].returncode == 0
+
+        try:
+            wait_until(unmounted, 5, f"{self.path} to unmount", interval=0.1)
+        except pytest.fail.Exception:
+            held = [p for p in map(_fd_target, os.listdir("/proc/self/fd"))
+                    if p.startswith(str(self.path))]
+            pytest.fail(f"{self.path} still in use: {tries[-1].stderr.strip()}; held here: {held}")
+        self.mount()
+
+    def read_only(self) -> None:
+        """Remount read-only, in the first moment no file is open for writing there."""
+        wait_until(lambda: run(["mount", "-o", "remount,ro", self.path], timeout=60)
+                   .returncode == 0, 60, f"{self.path} to remount read-only", interval=0)
+
+
+@pytest.fixture
+def mount_fs():
+    """`mount_fs("tmpfs", "size=8m")` or `mount_fs("ext4", size_mb=64)`: a fresh mount.
+
+    Mounted outside pytest's own temporary tree, whose clean-up (by any later pytest run on the
+    machine) must never walk into, or be blocked by, a mounted file system."""
+    base = Path(tempfile.mkdtemp(prefix="atb-probe-mounts-"))
+    mounts: list[Mounted] = []
+
+    def make(fstype: str = "tmpfs", options: str = "size=8m", size_mb: int = 64) -> Mounted:
+        path = base / f"mnt{len(mounts)}"
+        path.mkdir()
+        if fstype == "tmpfs":
+            fs = Mounted(path, "tmpfs", "tmpfs", options)
+        else:
+            if shutil.which("mkfs.ext4") is None:
+                pytest.skip("mkfs.ext4 is not installed")
+            image = base / f"disk{len(mounts)}.img"
+            with open(image, "wb") as f:
+                f.truncate(size_mb * 1024 * 1024)
+            done = run(["mkfs.ext4", "-q", "-F", image], timeout=60)
+            if done.returncode:
+                pytest.skip(f"mkfs.ext4 failed: {done.stderr.strip()}")
+            fs = Mounted(path, str(image), "ext4", "loop")
+        fs.mount()
+        mounts.append(fs)
+        return fs
+
+    try:
+        yield make
+    finally:
+        for fs in mounts:
+            fs.umount()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

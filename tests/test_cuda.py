@@ -16,7 +16,8 @@ from atb_probe.capture import stats_compute as statistics
 from atb_probe.capture.stats_compute import DeviceStatistics, compute
 from atb_probe.stats_cell import new_cell, new_serial, values
 from atb_probe.tools.compare import compare_dumps
-from conftest import config, dump, generate, only_proc, read_csv, run_loaded, tiny_llama
+from conftest import dump, generate, only_proc, read_csv, tiny_llama
+from harness import config, run_loaded
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from atb_probe.binread import load_tensor
-from conftest import config, read_csv, torchrun_loaded
+from conftest import read_csv
+from harness import config, torchrun_loaded
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel" / "tp_dtensor.py"
 

@@ -1,16 +1,16 @@
 """The dump tree's paths, built and parsed in one torch-free module (SPEC §5)."""
 from __future__ import annotations
 
-import subprocess
 import sys
 
 from atb_probe import layout
+from harness import run
 
 
 def test_layout_does_not_import_torch():
     code = "import sys, atb_probe.layout; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    out = run([sys.executable, "-c", code], timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 
 def test_process_round_and_op_paths_follow_the_spec_tree():

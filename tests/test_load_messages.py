@@ -3,9 +3,7 @@ it prints says so and what to change."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +12,8 @@ import torch
 
 import atb_probe
 
-from conftest import config, generate, run_loaded, tiny_llama
+from conftest import generate, tiny_llama
+from harness import cli, config, run, run_loaded, status_of
 
 SCRIPT = "import torch\nprint('ran')\n"
 
@@ -67,14 +66,12 @@ def test_an_output_that_is_a_file_gets_one_clear_error_and_an_inert_probe(tmp_pa
 def test_the_final_status_says_exited_not_dumping(tmp_path):
     atb_probe.enable(str(tmp_path), config())
     atb_probe.disable(timeout=60)
-    (doc,) = [json.loads(p.read_text()) for p in (tmp_path / "atb_dump_data" / "status")
-              .glob("*.json")]
+    doc = status_of(tmp_path / "atb_dump_data")
     assert doc["exited"] is True and doc["state"] == "exited"
 
 
 def test_the_help_shows_the_load_command_whole_on_one_line():
-    shown = subprocess.run([sys.executable, "-m", "atb_probe.cli", "--help"],
-                           capture_output=True, text=True, timeout=60)
+    shown = cli("--help", timeout=60)
     line = 'source "$(atb-probe where)/load_atb_probe.sh" --output=$PWD --config=$PWD/config.json'
     assert any(row.strip() == line for row in shown.stdout.splitlines()), shown.stdout
 
@@ -84,17 +81,15 @@ def test_the_demo_folder_is_ignored_by_git_in_a_clone():
     if shutil.which("git") is None or not (repo / ".git").exists():
         pytest.skip("not a git checkout")
     for made in ("atb-probe-demo/", ".venv-engines/", ".venv-msprobe/"):
-        ignored = subprocess.run(["git", "check-ignore", "-q", made], cwd=repo)
+        ignored = run(["git", "check-ignore", "-q", made], cwd=repo, timeout=60)
         assert ignored.returncode == 0, f"{made} would show as untracked"
 
 
 def run_cli_run(tmp_path, *args):
     script = tmp_path / "model.py"
     script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATB_")}
-    return subprocess.run([sys.executable, "-m", "atb_probe.cli", "run", f"--output={tmp_path}",
-                           *args, "--", sys.executable, str(script)], capture_output=True,
-                          text=True, timeout=120, env=env, cwd=tmp_path)
+    return cli("run", f"--output={tmp_path}", *args, "--", sys.executable, script,
+               cwd=tmp_path, timeout=120)
 
 
 def test_atb_probe_run_without_config_says_the_bundled_one_dumps_nothing(tmp_path):

@@ -1,21 +1,12 @@
 """The load/unload scripts and the bootstrap (SPEC §2), with real shells and processes."""
 from __future__ import annotations
 
-import os
-import subprocess
+import json
 import sys
 from pathlib import Path
 
-from conftest import LLAMA_SCRIPT, SCRIPTS, config, read_csv, run_loaded
-
-
-def _bash(script: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP",
-                         "ATB_PROBE_PYTHONPATH_WAS_SET")}
-    base.update(env or {})
-    return subprocess.run(["bash", "-c", script], cwd=cwd, env=base, capture_output=True,
-                          text=True, timeout=120)
+from conftest import LLAMA_SCRIPT, read_csv
+from harness import SCRIPTS, cli, clean_env, config, run_loaded, run_shell
 
 
 def test_unmodified_script_run_after_sourcing_produces_the_tree(tmp_path):
@@ -47,7 +38,7 @@ def test_unload_restores_pythonpath_and_variables_exactly(tmp_path):
         after="$(env | sort)"
         [ "$before" = "$after" ] && echo RESTORED
     """
-    result = _bash(script, tmp_path)
+    result = run_shell(script, tmp_path)
     assert result.stdout.split() == ["LOADED", "ABS", "1", "RESTORED"], result.stderr
 
 
@@ -58,7 +49,7 @@ def test_unload_unsets_a_pythonpath_that_was_not_set(tmp_path):
         source "{SCRIPTS}/unload_atb_probe.sh"
         echo "${{PYTHONPATH-unset}} ${{ATB_OUTPUT_DIR-unset}} ${{ATB_DUMP_CONFIG-unset}}"
     """
-    assert _bash(script, tmp_path).stdout.split() == ["unset"] * 3
+    assert run_shell(script, tmp_path).stdout.split() == ["unset"] * 3
 
 
 def test_defaults_are_current_directory_and_config_beside_the_script(tmp_path):
@@ -67,7 +58,7 @@ def test_defaults_are_current_directory_and_config_beside_the_script(tmp_path):
         echo "$ATB_OUTPUT_DIR"
         echo "$ATB_DUMP_CONFIG"
     """
-    out = _bash(script, tmp_path).stdout.split()
+    out = run_shell(script, tmp_path).stdout.split()
     assert out == [str(tmp_path), str(SCRIPTS / "config.json")]
 
 
@@ -76,7 +67,7 @@ def test_more_than_two_arguments_warn_and_load_nothing(tmp_path):
         source "{SCRIPTS}/load_atb_probe.sh" --output=a --config=b --extra
         echo "rc=$? ${{ATB_DUMP_CONFIG-unset}} ${{PYTHONPATH-unset}}"
     """
-    result = _bash(script, tmp_path, env={"PYTHONPATH": "/x"})
+    result = run_shell(script, tmp_path, clean_env(PYTHONPATH="/x"))
     assert result.stdout.split() == ["rc=1", "unset", "/x"]
     assert "WARNING" in result.stderr and "Nothing was loaded" in result.stderr
 
@@ -124,17 +115,14 @@ def test_existing_sitecustomize_still_runs(tmp_path):
 
 
 def test_atb_probe_where_and_run(tmp_path):
-    where = subprocess.run([sys.executable, "-m", "atb_probe.cli", "where"], capture_output=True,
-                           text=True, check=True).stdout.strip()
-    assert Path(where) == SCRIPTS
+    where = cli("where")
+    assert where.returncode == 0 and Path(where.stdout.strip()) == SCRIPTS
     assert (SCRIPTS / "load_atb_probe.sh").is_file() and (SCRIPTS / "config.json").is_file()
-    (tmp_path / "config.json").write_text(__import__("json").dumps(config()))
+    (tmp_path / "config.json").write_text(json.dumps(config()))
     (tmp_path / "m.py").write_text("import torch\nfrom torch import nn\n"
                                    "nn.Sequential(nn.Linear(2, 2), nn.Tanh())(torch.ones(1, 2))\n")
-    result = subprocess.run([sys.executable, "-m", "atb_probe.cli", "run",
-                             f"--output={tmp_path}", f"--config={tmp_path / 'config.json'}", "--",
-                             sys.executable, str(tmp_path / "m.py")],
-                            capture_output=True, text=True, timeout=120)
+    result = cli("run", f"--output={tmp_path}", f"--config={tmp_path / 'config.json'}", "--",
+                 sys.executable, tmp_path / "m.py", timeout=120)
     assert result.returncode == 0, result.stderr
     assert list((tmp_path / "atb_dump_data" / "data").glob("*/0/1_Tanh/after/outtensor0.bin"))
 
@@ -144,7 +132,7 @@ def test_the_cli_itself_never_dumps(tmp_path):
         source "{SCRIPTS}/load_atb_probe.sh" --output={tmp_path} --config={tmp_path}/c.json
         "{sys.executable}" -c "import atb_probe.cli, torch; torch.nn.Linear(2, 2)(torch.ones(2))"
     """
-    (tmp_path / "c.json").write_text(__import__("json").dumps(config()))
-    result = _bash(script, tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps(config()))
+    result = run_shell(script, tmp_path)
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "atb_dump_data").exists()

@@ -7,7 +7,6 @@ otherwise.
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -16,7 +15,8 @@ from torch import nn
 
 from atb_probe import load
 
-from conftest import MSPROBE_MISSING, config, dump, msprobe_executable, only_proc
+from conftest import MSPROBE_MISSING, dump, msprobe_executable, only_proc
+from harness import config, run
 
 # The dtypes msprobe's ATB reader knows (its table: float32, float16, int8, int32, int64, bool,
 # bfloat16).
@@ -51,8 +51,7 @@ def test_msprobe_parse_reads_every_dtype_it_supports(tmp_path):
     for i in range(len(MSPROBE_DTYPES)):
         shutil.copy(round0 / f"{i}_Cast" / "after" / "outtensor0.bin", flat / f"cast{i}.bin")
     out = tmp_path / "parsed"
-    result = subprocess.run([msprobe_executable(), "parse", "-d", str(flat), "-t", "npy", "-o", str(out)],
-                            capture_output=True, text=True, timeout=300)
+    result = run([msprobe_executable(), "parse", "-d", flat, "-t", "npy", "-o", out])
     assert result.returncode == 0, result.stderr[-2000:]
     for i, dtype in enumerate(MSPROBE_DTYPES):
         parsed = np.load(out / f"cast{i}.npy")

@@ -17,8 +17,8 @@ import torch
 import atb_probe
 from atb_probe.statcsv import COLUMNS
 
-from conftest import config, tiny_llama
-from test_reliability_disk import check_dump
+from conftest import check_dump, tiny_llama
+from harness import config
 from test_reliability_signals import DUMP_ALL, start
 
 # Columns that legitimately differ between processes or rounds.
@@ -51,10 +51,9 @@ def test_four_processes_dumping_into_one_output_do_not_clash(tmp_path):
         home = tmp_path / f"p{i}"
         home.mkdir()
         procs.append(start(home, out, rounds, "exit", DUMP_ALL, OMP_NUM_THREADS="1"))
-    results = [p.communicate(timeout=180) for p in procs]
-    for p, (stdout, stderr) in zip(procs, results):
-        assert p.returncode == 0 and "MODEL-DONE" in stdout, stderr
-        assert "[atb-probe] ERROR" not in stderr and "WARNING" not in stderr, stderr
+    for p in procs:
+        assert p.wait(timeout=180) == 0 and "MODEL-DONE" in p.stdout, p.stderr
+        assert "[atb-probe] ERROR" not in p.stderr and "WARNING" not in p.stderr, p.stderr
     root = out / "atb_dump_data"
     check_dump(root)
     folders = sorted((root / "data").iterdir())

@@ -9,12 +9,10 @@ process as `nobody` through `setpriv`.
 """
 from __future__ import annotations
 
-import csv
 import fcntl
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -26,133 +24,15 @@ import pytest
 import torch
 
 import atb_probe
-from atb_probe.binfile import read_header
 from atb_probe.record.jobs import JsonJob, RowsJob, TensorFileJob
 from atb_probe.record.safefs import SafeTree
 from atb_probe.record.writer import Writer
-from atb_probe.statcsv import COLUMNS, HEADER, tensor_path_cell
+from atb_probe.statcsv import HEADER, tensor_path_cell
 
-from conftest import config, generate, tiny_llama
+from conftest import bins, check_dump, generate, probe_lines, tiny_llama
+from harness import Running, clean_env, config, wait_until
 
 FS_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32): every later access fails with EIO
-
-
-def _run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-
-
-def _fd_target(fd: str) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return ""
-
-
-class Mounted:
-    """A file system mounted for one test."""
-
-    def __init__(self, path: Path, source: str, fstype: str, options: str):
-        self.path, self.source, self.fstype, self.options = path, source, fstype, options
-
-    def mount(self) -> None:
-        done = _run("mount", "-t", self.fstype, "-o", self.options, self.source, str(self.path))
-        if done.returncode:
-            pytest.skip(f"cannot mount a {self.fstype} here: {done.stderr.strip()}")
-
-    def umount(self) -> None:
-        if _run("umount", str(self.path)).returncode:
-            _run("umount", "-l", str(self.path))  # never leave a mount behind
-
-    def remount(self) -> None:
-        for _ in range(50):  # a descriptor closed a moment ago may still be on its way out
-            done = _run("umount", str(self.path))
-            if done.returncode == 0:
-                break
-            time.sleep(0.1)
-        else:
-            held = [p for p in map(_fd_target, os.listdir("/proc/self/fd"))
-                    if p.startswith(str(self.path))]
-            pytest.fail(f"{self.path} still in use: {done.stderr.strip()}; held here: {held}")
-        self.mount()
-
-    def read_only(self) -> None:
-        for _ in range(2000):  # refused while a file is open for writing: catch a gap
-            done = _run("mount", "-o", "remount,ro", str(self.path))
-            if done.returncode == 0:
-                return
-        pytest.fail(f"could not remount read-only: {done.stderr}")
-
-
-@pytest.fixture
-def mount_fs():
-    """`mount_fs("tmpfs", "size=8m")` or `mount_fs("ext4", size_mb=64)`: a fresh mount.
-
-    Mounted outside pytest's own temporary tree, whose clean-up (by any later pytest run on the
-    machine) must never walk into, or be blocked by, a mounted file system."""
-    base = Path(tempfile.mkdtemp(prefix="atb-probe-mounts-"))
-    mounts: list[Mounted] = []
-
-    def make(fstype: str = "tmpfs", options: str = "size=8m", size_mb: int = 64) -> Mounted:
-        path = base / f"mnt{len(mounts)}"
-        path.mkdir()
-        if fstype == "tmpfs":
-            fs = Mounted(path, "tmpfs", "tmpfs", options)
-        else:
-            if shutil.which("mkfs.ext4") is None:
-                pytest.skip("mkfs.ext4 is not installed")
-            image = base / f"disk{len(mounts)}.img"
-            with open(image, "wb") as f:
-                f.truncate(size_mb * 1024 * 1024)
-            done = _run("mkfs.ext4", "-q", "-F", str(image))
-            if done.returncode:
-                pytest.skip(f"mkfs.ext4 failed: {done.stderr.strip()}")
-            fs = Mounted(path, str(image), "ext4", "loop")
-        fs.mount()
-        mounts.append(fs)
-        return fs
-
-    try:
-        yield make
-    finally:
-        for fs in mounts:
-            fs.umount()
-        shutil.rmtree(base, ignore_errors=True)
-
-
-def bins(root: Path) -> list[Path]:
-    return [Path(d) / n for d, _, files in os.walk(root) for n in files if n.endswith(".bin")]
-
-
-def check_dump(root: Path, temp_files_allowed: bool = False) -> list[dict]:
-    """Every .bin parses and holds exactly what its header says; every csv line is whole and
-    names a file that is there (or N/A). Returns the csv rows."""
-    rows = []
-    for d, _, files in os.walk(root):
-        for name in files:
-            path = Path(d) / name
-            if name.endswith(".tmp"):
-                assert temp_files_allowed, f"temporary file left behind: {path}"
-                continue
-            assert not name.startswith("."), path
-            if name.endswith(".bin"):
-                header = read_header(path)  # raises on a partial file
-                assert header.payload_offset + header.nbytes == path.stat().st_size
-            if name == "statistic.csv":
-                with open(path, newline="") as f:
-                    lines = f.read().split("\n")
-                assert lines[-1] == "", f"{path} ends in a partial line"
-                table = list(csv.reader(lines[:-1]))
-                assert table[0] == list(COLUMNS)
-                assert all(len(r) == len(COLUMNS) for r in table[1:]), path
-                rows += [dict(zip(COLUMNS, r)) for r in table[1:]]
-    for r in rows:
-        if r["Tensor Path"] != "N/A":
-            assert Path(r["Tensor Path"]).is_file(), r["Tensor Path"]
-    return rows
-
-
-def probe_lines(err: str, level: str) -> list[str]:
-    return [line for line in err.splitlines() if line.startswith(f"[atb-probe] {level}")]
 
 
 def dump_while(out: Path, fault=None, min_bins: int = 30, new_tokens: int = 3):
@@ -165,12 +45,11 @@ def dump_while(out: Path, fault=None, min_bins: int = 30, new_tokens: int = 3):
     stop = threading.Event()
 
     def watch():
-        while not stop.is_set():
-            if len(bins(out)) >= min_bins:
-                fault()
-                fired.set()
-                return
-            time.sleep(0.005)
+        wait_until(lambda: stop.is_set() or len(bins(out)) >= min_bins, 300,
+                   f"{min_bins} tensor files", interval=0.005)
+        if not stop.is_set():
+            fault()
+            fired.set()
 
     watcher = threading.Thread(target=watch, daemon=True)
     atb_probe.enable(str(out), config(save_child=True))
@@ -278,7 +157,9 @@ def test_back_pressure_after_a_long_idle_time_is_not_taken_for_a_stuck_disk(tmp_
     writer = Writer(tree, queue_bytes=1 << 20, min_free=0, stall_seconds=0.3)
     writer.put(JsonJob("info", "first.json", {}))
     assert writer.flush(10)
-    time.sleep(0.6)  # idle for longer than the stall timeout
+    # Idle for longer than the stall timeout: only time passing is under test here, and
+    # nothing shows that it has, so this sleep stays.
+    time.sleep(0.6)
     for i in range(40):  # 8 MB through a 1 MB queue: producers wait for the disk
         writer.put(TensorFileJob("d", f"{i}.bin", [bytes(200_000)], 200_000))
     assert writer.close(30)
@@ -299,10 +180,16 @@ def test_csv_rows_do_not_wait_for_a_busy_writer_to_run_dry(mount_fs):
     for i in range(20000):
         writer.put(TensorFileJob(f"r/{i % 100}", f"{i}.bin", [payload], len(payload)))
     table = fs.path / "atb_dump_data" / "r" / "statistic.csv"
-    while not table.exists():
-        assert writer.pending() > 0, "the csv was written only after the queue ran dry"
-        time.sleep(0.002)
-    assert writer.pending() > 1_000_000  # most of the queue was still waiting
+
+    def csv_or_dry():  # what came first, and the bytes still queued then
+        if table.exists():
+            return "csv", writer.pending()
+        return None if writer.pending() else ("queue ran dry", 0)
+
+    first, queued = wait_until(csv_or_dry, 60, "the csv, or the queue to run dry",
+                               interval=0.002)
+    assert first == "csv", "the csv was written only after the queue ran dry"
+    assert queued > 1_000_000  # most of the queue was still waiting
     assert writer.close(60)
 
 
@@ -413,32 +300,25 @@ def test_permission_denied_mid_dump_stops_it_with_one_error():
         script.write_text(textwrap.dedent(EACCES_SCRIPT))
         stop = base / "stop"
         src = str(Path(atb_probe.__file__).parents[1])
-        env = {**os.environ, "PYTHONPATH": src, "HOME": str(base),
-               "ATB_PROBE_MIN_FREE_BYTES": "0"}
-        proc = subprocess.Popen([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups",
-                                 sys.executable, str(script), str(out), str(stop)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env)
+        env = clean_env(PYTHONPATH=src, HOME=str(base), ATB_PROBE_MIN_FREE_BYTES="0")
+        proc = Running([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, script, out, stop], env=env)
         try:
-            deadline = time.monotonic() + 60
-            while len(bins(out)) < 30:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-                time.sleep(0.01)
+            wait_until(lambda: proc.check_running("the dump") or len(bins(out)) >= 30, 60,
+                       "30 tensor files")
             data = out / "atb_dump_data" / "data"
             for d, dirs, _ in os.walk(data):
                 os.chmod(d, 0o555)
             status = out / "atb_dump_data" / "status"
-            while "permission denied" not in "".join(
-                    p.read_text() for p in status.iterdir() if not p.name.startswith(".")):
-                assert proc.poll() is None and time.monotonic() < deadline + 60, \
-                    proc.stderr.read()
-                time.sleep(0.01)  # until the probe's status reports the error
+            wait_until(lambda: proc.check_running("the dump") or "permission denied" in "".join(
+                p.read_text() for p in status.iterdir() if not p.name.startswith(".")), 120,
+                "the probe's status to report the error")
             stop.touch()
-            stdout, stderr = proc.communicate(timeout=60)
+            assert proc.wait(timeout=60) == 0, proc.stderr
         finally:
-            if proc.poll() is None:
-                proc.kill()
-        assert proc.returncode == 0 and stdout.startswith("OK"), stderr
+            proc.kill()
+        stdout, stderr = proc.stdout, proc.stderr
+        assert stdout.startswith("OK"), stderr
         errors = probe_lines(stderr, "ERROR")
         assert len(errors) == 1 and "permission denied" in errors[0], stderr
         assert "Traceback" not in stderr

@@ -8,19 +8,17 @@ import fcntl
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 import atb_probe
 
-from conftest import DEFAULT_SIGNALS, SCRIPTS, config
-from test_reliability_disk import bins, check_dump, mount_fs, probe_lines  # noqa: F401
+from conftest import bins, check_dump, probe_lines
+from harness import (Running, clean_env, config, loaded, run_shell, status_of, terminal,
+                     wait_until)
 
 FIFREEZE, FITHAW = 0xC0045877, 0xC0045878
 
@@ -58,44 +56,29 @@ with torch.no_grad():
         print("ROUND", i, flush=True)
 import atb_probe
 print("PENDING", atb_probe.active().writer.pending(), flush=True)
-if ending == "sigterm":
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(60)
-elif ending == "sigint":
-    os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(60)
+if ending in ("sigterm", "sigint"):
+    os.kill(os.getpid(), getattr(signal, ending.upper()))
+    time.sleep(60)  # the signal ends the process first: this line is never passed
 print("MODEL-DONE", float(y.sum()), flush=True)
 """
 
 
-def start(tmp: Path, out: Path, rounds: int, ending: str, cfg: dict, **env) -> subprocess.Popen:
+def start(tmp: Path, out: Path, rounds: int, ending: str, cfg: dict, **env) -> Running:
     """`source load_atb_probe.sh`, then run the heavy model as the shell's own process."""
     script = tmp / "heavy.py"
     script.write_text(textwrap.dedent(HEAVY))
     (tmp / "config.json").write_text(json.dumps(cfg))
-    cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={out} --config={tmp / "config.json"}'
-           f' && exec {DEFAULT_SIGNALS} "{sys.executable}" "{script}" {rounds} {ending}')
-    full_env = {k: v for k, v in os.environ.items()
-                if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
-    full_env.update({"ATB_PROBE_MIN_FREE_BYTES": "0", **env})
-    return subprocess.Popen(["bash", "-c", cmd], cwd=tmp, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    command = loaded(terminal(sys.executable, script, rounds, ending), out, tmp / "config.json")
+    return Running(command, tmp, clean_env(ATB_PROBE_MIN_FREE_BYTES="0", **env))
 
 
-def wait_for_bins(proc: subprocess.Popen, root: Path, count: int, limit: float = 90,
+def wait_for_bins(proc: Running, root: Path, count: int, limit: float = 90,
                   with_csv: bool = False) -> None:
-    deadline = time.monotonic() + limit
-    while len(bins(root)) < count or with_csv and not any(root.rglob("statistic.csv")):
-        if proc.poll() is not None:
-            pytest.fail(f"the process ended first: {proc.stderr.read()}")
-        assert time.monotonic() < deadline, "the dump did not start"
-        time.sleep(0.005)
-
-
-def status_of(root: Path) -> dict:
-    files = list((root / "status").iterdir())
-    assert len(files) == 1, files
-    return json.loads(files[0].read_text())
+    """Wait until `count` .bin files (and, `with_csv`, a statistic.csv) are under `root`."""
+    def there():
+        proc.check_running("the dumping program")
+        return len(bins(root)) >= count and (not with_csv or any(root.rglob("statistic.csv")))
+    wait_until(there, limit, f"{count} tensor files", interval=0.005)
 
 
 DUMP_ALL = config(save_child=True, filter_level=0, task="all")
@@ -107,12 +90,9 @@ def test_sigkill_mid_dump_leaves_only_complete_files_and_whole_lines(tmp_path, a
     proc = start(tmp_path, out, 400, "exit", DUMP_ALL)
     try:
         wait_for_bins(proc, out, after_bins, with_csv=True)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        assert proc.stop(signal.SIGKILL, timeout=30) == -signal.SIGKILL
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
+        proc.kill()
     root = out / "atb_dump_data"
     assert len(bins(root)) >= after_bins
     rows = check_dump(root, temp_files_allowed=True)  # a kill may leave hidden .tmp files
@@ -125,9 +105,9 @@ def test_exit_and_stop_signals_write_everything_queued_first(tmp_path, ending, r
     out = tmp_path / "out"
     rounds = 4
     proc = start(tmp_path, out, rounds, ending, DUMP_ALL)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == returncode, stderr
-    pending = int(stdout.split("PENDING ")[1].split()[0])
+    assert proc.wait(timeout=120) == returncode, proc.stderr
+    stderr = proc.stderr
+    pending = int(proc.stdout.split("PENDING ")[1].split()[0])
     assert pending > 0  # there was something left to write when the program ended
     root = out / "atb_dump_data"
     rows = check_dump(root)
@@ -164,7 +144,7 @@ with torch.no_grad():
         model(x)
 print("PENDING", atb_probe.active().writer.pending(), flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
-time.sleep(60)
+time.sleep(60)  # the signal ends the process first: this line is never passed
 print("NOT-KILLED", flush=True)
 """
 
@@ -176,13 +156,8 @@ def test_sigterm_writes_the_queue_of_a_probe_enabled_again(tmp_path):
     script.write_text(REENABLED)
     first, second, rounds = tmp_path / "first", tmp_path / "second", 6
     cfg = config(save_child=True, filter_level=0, task="all")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
-    env["ATB_PROBE_MIN_FREE_BYTES"] = "0"
-    cmd = (f'exec {DEFAULT_SIGNALS} "{sys.executable}" "{script}" "{first}" "{second}" '
-           f"'{json.dumps(cfg)}' {rounds}")
-    result = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = run_shell(terminal(sys.executable, script, first, second, json.dumps(cfg), rounds),
+                       tmp_path, clean_env(ATB_PROBE_MIN_FREE_BYTES="0"), timeout=120)
     assert result.returncode == -signal.SIGTERM, result.stderr
     assert int(result.stdout.split("PENDING ")[1].split()[0]) > 0
     root = second / "atb_dump_data"
@@ -204,10 +179,6 @@ def test_stuck_disk_cannot_hang_the_model_or_its_exit(tmp_path, mount_fs):
     out = fs.path / "out"
     proc = start(tmp_path, out, 60, "exit", DUMP_ALL,
                  ATB_PROBE_STALL_TIMEOUT="2", ATB_PROBE_EXIT_TIMEOUT="2")
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), line))
-                                              for line in proc.stdout], daemon=True)
-    reader.start()
     fd = os.open(fs.path, os.O_RDONLY)
     frozen = False
     try:
@@ -216,25 +187,22 @@ def test_stuck_disk_cannot_hang_the_model_or_its_exit(tmp_path, mount_fs):
             fcntl.ioctl(fd, FIFREEZE, 0)
         except OSError as exc:
             pytest.skip(f"cannot freeze a file system here: {exc}")
-        frozen_at, frozen = time.monotonic(), True
-        deadline = frozen_at + 60
-        while not any(line.startswith("EXIT-DONE") for _, line in lines):
-            assert time.monotonic() < deadline, f"no exit while the disk is stuck: {lines[-3:]}"
-            time.sleep(0.05)
-        done_at = next(t for t, line in lines if line.startswith("MODEL-DONE"))
-        exit_at = next(t for t, line in lines if line.startswith("EXIT-DONE"))
-        assert exit_at - done_at < 2 + 5  # the exit timeout, and a little
+        frozen = True
+        wait_until(lambda: proc.printed_at("EXIT-DONE"), 60,
+                   "the program to exit while the disk is stuck", interval=0.05)
+        # The model ends once the queue stops moving; its exit waits the exit timeout, and a
+        # little more.
+        assert proc.printed_at("EXIT-DONE") - proc.printed_at("MODEL-DONE") < 2 + 5
     finally:
         if frozen:
             fcntl.ioctl(fd, FITHAW, 0)
         os.close(fd)
         try:
-            proc.wait(timeout=60)
+            code = proc.wait(timeout=60)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-    stderr = proc.stderr.read()
-    assert proc.returncode == 0, stderr
+            proc.kill()
+    stderr = proc.stderr
+    assert code == 0, stderr
     stalls = [e for e in probe_lines(stderr, "ERROR") if "took nothing" in e]
     assert len(stalls) == 1, stderr
     assert "Traceback" not in stderr

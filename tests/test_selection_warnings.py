@@ -2,16 +2,11 @@
 `device` list that leaves a process out shows in its status and in `atb-probe status`."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import torch
 
 import atb_probe
-from conftest import config, dump, generate, tiny_llama, wait_until
-
-STATUS = [sys.executable, "-m", "atb_probe.cli", "status"]
+from conftest import dump, generate, tiny_llama
+from harness import cli, config, status_docs, wait_until
 
 
 def test_ids_naming_no_op_warn_once_with_what_the_round_had(tmp_path, capfd):
@@ -56,14 +51,10 @@ def test_device_list_that_leaves_the_process_out_shows_in_status(tmp_path, capfd
     try:
         with torch.no_grad():
             generate(model, 4, 1)
-        status_dir = tmp_path / "atb_dump_data" / "status"
-
-        def excluded():
-            docs = [json.loads(p.read_text()) for p in status_dir.glob("*.json")]
-            return [d for d in docs if d["rounds_started"] >= 1 and d["device_selected"] is False]
-
-        wait_until(excluded, 10, "the status file to show the process left out")
-        result = subprocess.run(STATUS + [str(tmp_path)], capture_output=True, text=True)
+        wait_until(lambda: [d for d in status_docs(tmp_path / "atb_dump_data")
+                            if d["rounds_started"] >= 1 and d["device_selected"] is False],
+                   10, "the status file to show the process left out")
+        result = cli("status", tmp_path)
     finally:
         atb_probe.disable(timeout=60)
     assert result.returncode == 0, result.stderr
@@ -81,7 +72,7 @@ def test_a_process_the_device_list_leaves_out_says_so_at_load_and_after_exit(tmp
     atb_probe.disable(timeout=60)
     assert "(device 0) is not in the config's device list (7): it dumps nothing" in err, err
     assert "Ready to dump" not in err
-    result = subprocess.run(STATUS + [str(tmp_path)], capture_output=True, text=True)
+    result = cli("status", tmp_path)
     assert "exited" in result.stdout
     assert "not selected: device 0 is not in the config's device list, so it dumped nothing" \
         in result.stdout, result.stdout
@@ -93,7 +84,7 @@ def test_status_does_not_warn_when_a_process_is_selected(tmp_path):
     try:
         with torch.no_grad():
             generate(model, 4, 1)
-        result = subprocess.run(STATUS + [str(tmp_path)], capture_output=True, text=True)
+        result = cli("status", tmp_path)
     finally:
         atb_probe.disable(timeout=60)
     assert "no live process is selected" not in result.stdout

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,53 +22,31 @@ import pytest
 
 from atb_probe.tools.status import unfinished
 
-from conftest import (DEFAULT_SIGNALS, SCRIPTS, LiveProcess, config, count_rounds_by_config,
-                      read_csv, wait_until)
+from conftest import count_rounds_by_config, read_csv
+from harness import (FileReads, LiveProcess, Running, cli, config, finished_pid, free_port, loaded,
+                     terminal, wait_until)
 
 SERVER = Path(__file__).resolve().parent.parent / "examples" / "service" / "server.py"
 WAKE = "Ready to dump ATB data, the running speed of the model will be affected"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def probe_env() -> dict:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
 
 
 class Service(LiveProcess):
     """The example server, started like the guide says: source the load script, then run it."""
 
     def __init__(self, tmp: Path):
-        self.tmp = tmp
         self.config_path = tmp / "config.json"
         self.root = tmp / "atb_dump_data"
         port = free_port()
-        cmd = (f'source "{SCRIPTS}/load_atb_probe.sh" --output={tmp} --config={self.config_path}'
-               f' && exec {DEFAULT_SIGNALS} "{sys.executable}" "{SERVER}" --port {port}'
-               f' --hidden 32 --layers 2 --vocab 64 --torch-threads 1')
-        self.proc = subprocess.Popen(["bash", "-c", cmd], cwd=tmp, env=probe_env(), text=True,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
-        self.stderr: list[str] = []
-        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
-        self._reader.start()
+        super().__init__(loaded(terminal(sys.executable, SERVER, "--port", port, "--hidden", 32,
+                                         "--layers", 2, "--vocab", 64, "--torch-threads", 1),
+                                tmp, self.config_path), tmp)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
                                  trust_env=False)
         wait_until(self._healthy, 90, "the service to answer /health", interval=0.05)
-        self.status_file = self.root / "status" / f"0_{self.proc.pid}.json"
-
-    def _read_stderr(self):
-        for line in self.proc.stderr:
-            self.stderr.append(line.rstrip("\n"))
+        self.status_file = self.root / "status" / f"0_{self.pid}.json"
 
     def _healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            pytest.fail("the service exited at start:\n" + "\n".join(self.stderr))
+        self.check_running("the service")
         try:
             return self.http.get("/health").status_code == 200
         except httpx.TransportError:
@@ -95,13 +72,8 @@ class Service(LiveProcess):
                      not unfinished(s) else None)(self.status()),
             timeout, f"{rounds_dumped} rounds dumped and nothing more to come")
 
-    def lines(self, text: str) -> list[str]:
-        return [line for line in self.stderr if text in line]
-
-    def stop(self, sig: int) -> int:
-        self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=60)
-        self._reader.join(timeout=5)
+    def stop(self, sig: int | None = None, timeout: float = 60) -> int:
+        code = super().stop(sig, timeout)
         self.http.close()
         return code
 
@@ -118,14 +90,11 @@ def service(tmp_path):
 
     yield start
     for svc in services:
-        if svc.proc.poll() is None:
-            svc.proc.kill()
-            svc.proc.wait(timeout=30)
+        svc.kill()
 
 
 def atb_probe_status(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "atb_probe.cli", "status", *args],
-                          capture_output=True, text=True, timeout=60, env=probe_env())
+    return cli("status", *args, timeout=60)
 
 
 def tree(root: Path) -> dict[str, int]:
@@ -166,7 +135,7 @@ def test_the_guide_walkthrough_dumps_exactly_the_rounds_of_one_request(service, 
 
     # The request's rounds, 2 (prefill: the whole prompt) then 3 and 4 (one new token each),
     # each complete: its csv rows name files that are on disk.
-    proc_dir = svc.root / "data" / f"0_{svc.proc.pid}"
+    proc_dir = svc.root / "data" / f"0_{svc.pid}"
     assert sorted(p.name for p in proc_dir.iterdir()) == ["2", "3", "4"]
     prompt = body["usage"]["prompt_tokens"]
     for index, seq in ((2, prompt), (3, 1), (4, 1)):
@@ -190,7 +159,7 @@ def test_the_guide_walkthrough_dumps_exactly_the_rounds_of_one_request(service, 
     assert tree(svc.root / "data") == before
 
     # 6: stop the service (Ctrl-C): the probe flushes and says the process exited.
-    assert svc.stop(signal.SIGINT) == 0, "\n".join(svc.stderr)
+    assert svc.stop(signal.SIGINT) == 0, svc.stderr
     final = svc.status()
     assert final["exited"] is True and final["bytes_queued"] == 0
     assert final["rounds_dumped"] == 3
@@ -239,7 +208,7 @@ def test_concurrent_requests_during_reloads_dump_each_round_under_one_config(ser
                         10, "every round dumped and nothing queued")
     assert svc.stop(signal.SIGINT) == 0
 
-    proc_dir = svc.root / "data" / f"0_{svc.proc.pid}"
+    proc_dir = svc.root / "data" / f"0_{svc.pid}"
     rounds = {int(p.name): p for p in proc_dir.iterdir()}
     assert sorted(rounds) == list(range(status["rounds_dumped"]))
     seen = count_rounds_by_config(rounds, "0", "5")
@@ -257,11 +226,11 @@ def test_a_service_stopped_with_sigterm_mid_request_flushes_and_reports_exited(s
     # uvicorn finishes the request, shuts down, puts the probe's handler back and re-raises
     # SIGTERM: the probe flushes, then the process dies of SIGTERM as it would have.
     assert result["usage"]["completion_tokens"] == 12
-    assert code == -signal.SIGTERM, "\n".join(svc.stderr)
+    assert code == -signal.SIGTERM, svc.stderr
     final = svc.status()
     assert final["exited"] is True and final["bytes_queued"] == 0 and not final["last_error"]
     assert final["rounds_dumped"] == 12
-    proc_dir = svc.root / "data" / f"0_{svc.proc.pid}"
+    proc_dir = svc.root / "data" / f"0_{svc.pid}"
     for index in range(12):
         rows = read_csv(proc_dir / str(index) / "statistic.csv")
         assert {r["Op Id"] for r in rows} == {"0", "1", "2", "3", "4", "5"}
@@ -269,13 +238,15 @@ def test_a_service_stopped_with_sigterm_mid_request_flushes_and_reports_exited(s
 
 
 def _status_doc(tmp: Path, name: str, **fields) -> None:
+    """Write status/<name>.json as a probe does: in one piece (a reader sees all or nothing)."""
     folder = tmp / "atb_dump_data" / "status"
     folder.mkdir(parents=True, exist_ok=True)
     doc = {"state": "dumping", "exited": False, "rounds_started": 1, "rounds_dumped": 1,
            "files_written": 3, "bytes_written": 300, "bytes_queued": 0, "last_error": None,
            "config_in_effect": config(ids="2"), "updated_at": "2026-01-01T00:00:00.000+00:00"}
     doc.update(fields)
-    (folder / f"{name}.json").write_text(json.dumps(doc))
+    (folder / ".next").write_text(json.dumps(doc))
+    os.replace(folder / ".next", folder / f"{name}.json")
 
 
 def _proc_start(pid: int) -> int:
@@ -288,22 +259,27 @@ def test_atb_probe_status_exits_1_while_a_live_process_has_data_queued(tmp_path)
     _status_doc(tmp_path, f"0_{me}", pid=me, proc_start=_proc_start(me), bytes_queued=4096)
     shown = atb_probe_status(str(tmp_path))
     assert shown.returncode == 1 and "NOT COMPLETE" in shown.stdout
-    # --wait returns as soon as the data is on disk.
-    timer = threading.Timer(0.3, _status_doc, (tmp_path, f"0_{me}"),
-                            dict(pid=me, proc_start=_proc_start(me), bytes_queued=0))
-    timer.start()
+    # --wait returns as soon as the data is on disk: the file changes once the command has
+    # read it and found data still queued.
     started = time.monotonic()
-    shown = atb_probe_status("--wait", "30", str(tmp_path / "atb_dump_data"))
-    timer.join()
-    assert shown.returncode == 0 and "COMPLETE" in shown.stdout
-    assert time.monotonic() - started < 10
+    with FileReads(tmp_path / "atb_dump_data" / "status") as reads:
+        waiting = Running([sys.executable, "-m", "atb_probe.cli", "status", "--wait", "30",
+                           tmp_path / "atb_dump_data"])
+        try:
+            reads.wait(f"0_{me}.json", 60)
+            waiting.check_running("status --wait")
+            _status_doc(tmp_path, f"0_{me}", pid=me, proc_start=_proc_start(me), bytes_queued=0)
+            assert waiting.wait(60) == 0, waiting.stderr
+        finally:
+            waiting.kill()
+    assert "COMPLETE" in waiting.stdout and "NOT COMPLETE" not in waiting.stdout
+    assert time.monotonic() - started < 20
 
 
 def test_atb_probe_status_does_not_wait_for_dead_or_reused_pids(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    dead = finished_pid()
     me = os.getpid()
-    _status_doc(tmp_path, f"0_{dead.pid}", pid=dead.pid, bytes_queued=4096)
+    _status_doc(tmp_path, f"0_{dead}", pid=dead, bytes_queued=4096)
     _status_doc(tmp_path, f"1_{me}", pid=me, proc_start=_proc_start(me) + 1, bytes_queued=4096)
     shown = atb_probe_status(str(tmp_path))
     assert shown.returncode == 0, shown.stdout
@@ -324,9 +300,8 @@ def test_atb_probe_status_is_complete_only_when_every_round_and_model_file_is_on
 
 
 def test_a_process_killed_between_rounds_is_complete_and_said_so(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    _status_doc(tmp_path, f"0_{dead.pid}", pid=dead.pid, bytes_queued=0, model_files_pending=0,
+    dead = finished_pid()
+    _status_doc(tmp_path, f"0_{dead}", pid=dead, bytes_queued=0, model_files_pending=0,
                 round_open=False)
     shown = atb_probe_status(str(tmp_path))
     assert shown.returncode == 0, shown.stdout

@@ -122,6 +122,6 @@ def test_unusable_document_keeps_the_last_good_configuration(text):
 
 
 def test_example_config_beside_the_script_is_complete_and_asleep():
-    from conftest import SCRIPTS
+    from harness import SCRIPTS
     cfg, warnings = parse_config((SCRIPTS / "config.json").read_text())
     assert warnings == [] and cfg.dump_enable is False

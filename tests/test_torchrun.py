@@ -9,10 +9,8 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -22,7 +20,8 @@ import torch
 from atb_probe.capture.device import device_id
 from atb_probe.probe import Probe
 from atb_probe.binread import load_tensor
-from conftest import config, read_csv, run_loaded, torchrun_loaded
+from conftest import read_csv
+from harness import config, run, run_loaded, torchrun_loaded, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel"
 STEPS = 2
@@ -173,9 +172,8 @@ def test_merged_statistics_agree_after_the_all_reduce_and_differ_before_it(both)
 
 def test_compare_ranks_example_calls_all_reduce_outputs_the_same(both):
     root, _ = both
-    result = subprocess.run([sys.executable, str(EXAMPLE / "compare_ranks.py"), str(root.parent),
-                             "--op", "RowParallelLinear"], capture_output=True, text=True,
-                            timeout=120)
+    result = run([sys.executable, EXAMPLE / "compare_ranks.py", root.parent, "--op",
+                  "RowParallelLinear"], timeout=120)
     assert result.returncode == 0, result.stderr
     verdicts = {}
     for line in result.stdout.splitlines()[1:]:
@@ -186,8 +184,8 @@ def test_compare_ranks_example_calls_all_reduce_outputs_the_same(both):
 
 def test_show_csv_merges_both_ranks_into_one_comparable_table(both):
     root, pids = both
-    result = subprocess.run([str(Path(sys.executable).with_name("atb-probe")), "show", "--csv",
-                             str(root)], capture_output=True, text=True, timeout=120)
+    result = run([Path(sys.executable).with_name("atb-probe"), "show", "--csv", root],
+                 timeout=120)
     assert result.returncode == 0, result.stderr
     table = pd.read_csv(io.StringIO(result.stdout), dtype=str, keep_default_na=False)
     per_rank = merged_statistics(root, pids)
@@ -270,18 +268,21 @@ def test_status_writes_racing_the_device_decision_leave_one_file(tmp_path, monke
         (tmp_path / str(attempt)).mkdir()
         probe = Probe(str(tmp_path / str(attempt)), config={"dump_enable": False})
         stop = threading.Event()
+        writes = [0]
 
         def keep_writing():  # as the watch thread does while rounds end
             while not stop.is_set():
                 probe.rounds_dumped += 1
                 probe.write_status()
+                writes[0] += 1
 
         writer = threading.Thread(target=keep_writing)
         writer.start()
-        time.sleep(0.001)
+        wait_until(lambda: writes[0] >= 1, 10, "the first status write")
         monkeypatch.setenv("LOCAL_RANK", "2")
         assert probe.decide_device(torch.nn.Linear(1, 1), (), {}) == 2
-        time.sleep(0.002)
+        decided = writes[0]
+        wait_until(lambda: writes[0] >= decided + 2, 10, "status writes after the decision")
         stop.set()
         writer.join()
         probe.close(timeout=5)
