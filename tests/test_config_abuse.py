@@ -8,7 +8,6 @@ import os
 import shutil
 import socket
 import stat
-import subprocess
 import sys
 import threading
 import time
@@ -21,8 +20,10 @@ from hypothesis import strategies as st
 import atb_probe
 from atb_probe.config import (DEFAULTS, MAX_CONFIG_BYTES, TASKS, ConfigFileError, DumpConfig,
                               parse_config, read_config_file)
+from atb_probe.process.configwatch import ConfigWatcher
 
-from conftest import config, tiny_llama, wait_until
+from conftest import tiny_llama
+from harness import config, run, status_of, wait_until
 
 FULL = json.dumps(config(exec_range="0,3", ids="0,2_1", op_name="Linear", device="0"))
 
@@ -38,10 +39,9 @@ def load(path) -> tuple[DumpConfig | None, list[str]]:
     return parse_config(text)
 
 
-def status_of(out: Path) -> dict:
+def my_status(out: Path) -> dict:
     """The status document of this process's probe writing to `out`."""
-    files = list((out / "atb_dump_data" / "status").glob(f"*_{os.getpid()}.json"))
-    return json.loads(files[0].read_text()) if files else {}
+    return status_of(out / "atb_dump_data", os.getpid())
 
 
 def in_thread(fn, timeout: float = 5.0):
@@ -279,8 +279,8 @@ def test_file_without_read_permission_is_refused_with_a_warning(tmp_path):
             "try:\n    read_config_file(sys.argv[1])\n"
             "except ConfigFileError as exc:\n    print('REFUSED', exc)\n")
     src = str(Path(atb_probe.__file__).parents[1])
-    done = subprocess.run([*drop, sys.executable, "-c", code, str(path)], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": src})
+    done = run([*drop, sys.executable, "-c", code, path], timeout=60,
+               env={**os.environ, "PYTHONPATH": src})
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("REFUSED") and "permission denied" in done.stdout
 
@@ -403,8 +403,54 @@ def _bad_config(kind: str, path: Path) -> None:
         os.utime(path, (time.time() - 3600,) * 2)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero", "100MB", "world-writable",
-                                  "array", "garbage"])
+BAD_KINDS = ["fifo", "directory", "dev-zero", "100MB", "world-writable", "array", "garbage"]
+
+
+def watcher(path: Path):
+    """A ConfigWatcher of `path`, as the probe's background thread runs it; and the list of
+    what it handed over (configurations, or None for none)."""
+    applied = []
+    return ConfigWatcher(str(path), applied.append, lambda: None), applied
+
+
+def warnings_in(capfd, path: Path) -> list[str]:
+    return [line for line in capfd.readouterr().err.splitlines()
+            if "WARNING" in line and str(path) in line]
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_a_file_left_unusable_warns_once_however_many_polls(tmp_path, capfd, kind):
+    path = tmp_path / "config.json"
+    _bad_config(kind, path)
+    watch, applied = watcher(path)
+    watch.poll()
+    assert watch.problem and warnings_in(capfd, path) == []  # perhaps an editor mid-save
+    for _ in range(10):
+        watch.poll()
+    assert len(warnings_in(capfd, path)) == 1
+    assert applied == [] or applied == [None]  # never a configuration from that file
+
+
+def test_a_config_caught_mid_save_is_used_once_complete_without_a_warning(tmp_path, capfd):
+    """An editor truncates, writes part of the file, pauses, writes the rest: a poll in the
+    pause keeps the last good configuration and says nothing; the next one applies the file."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config(ids="0")))
+    watch, applied = watcher(path)
+    watch.poll()
+    text = json.dumps(config(ids="3"))
+    with open(path, "w") as f:
+        f.write(text[:20])
+        f.flush()
+        watch.poll()  # in the editor's pause
+        assert watch.problem and "not valid JSON" in watch.problem
+        f.write(text[20:])
+    watch.poll()
+    assert [c.ids for c in applied] == [("0",), ("3",)]
+    assert watch.problem is None and warnings_in(capfd, path) == []
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
 def test_host_program_runs_asleep_on_a_bad_config_file(tmp_path, capfd, kind):
     import torch
     path = tmp_path / "config.json"
@@ -412,7 +458,7 @@ def test_host_program_runs_asleep_on_a_bad_config_file(tmp_path, capfd, kind):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     in_thread(lambda: atb_probe.enable(str(tmp_path / "out"), config=str(path)))
     out = model(torch.ones(1, 4))
-    assert status_of(tmp_path / "out")["config_problem"]  # read at once, when the probe started
+    assert my_status(tmp_path / "out")["config_problem"]  # read at once, when the probe started
     err = []
 
     def warned():
@@ -420,9 +466,9 @@ def test_host_program_runs_asleep_on_a_bad_config_file(tmp_path, capfd, kind):
         return any(str(path) in line and "WARNING" in line
                    for line in "".join(err).splitlines())
 
-    # The warning waits for a later poll (the file might be mid-save).
+    # The warning waits for a later poll (the file might be mid-save); that it comes only once
+    # however many polls follow is `test_a_file_left_unusable_warns_once_however_many_polls`.
     wait_until(warned, 10, "the warning about the config file")
-    time.sleep(0.5)  # more polls: a repeated warning would show up
     assert atb_probe.disable(timeout=10)
     assert out.shape == (1, 4)
     assert not (tmp_path / "out" / "atb_dump_data" / "data").exists()
@@ -442,7 +488,7 @@ def test_config_broken_mid_run_keeps_the_last_good_one(tmp_path, capfd):
         with torch.no_grad():
             model(ids)
             path.write_text(good[:len(good) // 2])  # an editor caught half-way
-            problem = wait_until(lambda: status_of(tmp_path)["config_problem"], 10,
+            problem = wait_until(lambda: my_status(tmp_path)["config_problem"], 10,
                                  "the watcher to see the broken file")
             assert "not valid JSON" in problem
             model(ids)
