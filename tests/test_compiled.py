@@ -6,7 +6,6 @@ A custom backend counts how often compiled code runs, so the tests see which rou
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,9 @@ import torch
 from torch import nn
 
 import atb_probe
-from conftest import config, dump, only_proc, op_dirs, read_csv, run_loaded
+from atb_probe.binread import load_tensor
+from conftest import dump, only_proc, op_dirs, read_csv
+from harness import config, run, run_loaded
 
 MESSAGE = "compiled code (torch.compile) runs eagerly while a round is dumped"
 
@@ -70,15 +71,30 @@ def test_compiled_model_is_named_and_pathed_as_the_model_it_wraps(tmp_path):
         ("Linear_0", "0"), ("ReLU_1", "1"), ("Linear_2", "2")]
 
 
-def test_dumped_results_equal_eager_execution(tmp_path):
+def test_a_dumped_round_of_compiled_code_writes_the_values_eager_execution_gives(tmp_path):
+    """The modules and kernels inside the compiled region are dumped with the values the eager
+    model computes, and the compiled model's results are the eager ones in dumped rounds and
+    in the others."""
     eager = mlp()
     x = torch.randn(3, 4)
-    expected = eager(x)
+    with torch.no_grad():
+        expected = eager(x)
+        hidden = torch.relu(eager[0](x))
     compiled = torch.compile(mlp(), backend=CountingBackend())
     outputs = []
-    dump(tmp_path, config(exec_range="0,0", save_child=True),
-         lambda: [outputs.append(compiled(x)) for _ in range(2)])
+
+    @torch.no_grad()
+    def two_rounds():
+        outputs.extend(compiled(x) for _ in range(2))
+
+    root = dump(tmp_path, config(exec_range="0,0", save_child=True), two_rounds)
     assert all(torch.equal(out, expected) for out in outputs)
+    round0 = only_proc(root) / "0"
+    assert torch.equal(load_tensor(round0 / "0_Linear" / "before" / "intensor0.bin"), x)
+    assert torch.equal(load_tensor(round0 / "1_ReLU" / "after" / "outtensor0.bin"), hidden)
+    assert torch.equal(load_tensor(round0 / "2_Linear" / "after" / "outtensor0.bin"), expected)
+    kernel = round0 / "2_Linear" / "1_AddmmKernel"
+    assert torch.equal(load_tensor(kernel / "after" / "outtensor0.bin"), expected)
 
 
 def test_sleeping_probe_leaves_compiled_code_alone(tmp_path, capfd):
@@ -164,8 +180,7 @@ model(torch.randn(2, 4))
 assert atb_probe.disable(timeout=60)
 print("dynamo imported:", "torch._dynamo" in sys.modules)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
+    done = run([sys.executable, "-c", script])
     assert done.returncode == 0, done.stderr
     assert "dynamo imported: False" in done.stdout
     rows = read_csv(only_proc(tmp_path / "atb_dump_data") / "0" / "statistic.csv")
