@@ -180,18 +180,43 @@ def test_tensors_reduced_by_segments_get_their_own_statistics(seed, part, monkey
         assert _agree(stats_of(cell), _numpy_one(t)), (t.dtype, tuple(t.shape), t.flatten()[:4])
 
 
-def test_a_device_without_segment_reduce_goes_tensor_by_tensor(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise NotImplementedError("segment_reduce is not implemented for this device")
-
-    monkeypatch.setattr(torch, "segment_reduce", refuse)
+def test_a_device_type_without_segments_goes_tensor_by_tensor():
+    """A device type the probe has found without `torch.segment_reduce` (an accelerator whose
+    torch lacks it) reduces each tensor alone: the per-tensor formula, bit for bit (by
+    segments, half of these tensors would differ in their last bits)."""
+    device = DeviceStatistics()
+    device.no_segments.add("cpu")
     tensors = _tensors(0)
     cells = _cells(len(tensors))
-    device = device_batch(tensors, cells)
-    assert device.no_segments == {"cpu"}
-    assert device.segment_failure.startswith("NotImplementedError: segment_reduce")
+    device_batch(tensors, cells, device)
+    assert device.segment_failure is None  # not even tried
     for t, cell in zip(tensors, cells):
         assert _same(stats_of(cell), _torch_one(t)), (t.dtype, tuple(t.shape))
+
+
+def test_a_batch_segment_reduce_refuses_goes_tensor_by_tensor_and_so_do_later_ones():
+    """`torch.segment_reduce` has no forward-mode derivative: on the dual tensors of a model run
+    under forward AD (`torch.func.jvp`) it raises. The batch then goes tensor by tensor, the
+    failure is kept for the record, and later batches on that device type of this probe do not
+    try again; another probe's statistics are not affected."""
+    import torch.autograd.forward_ad as fwAD
+    device = DeviceStatistics()
+    plain = _tensors(0)
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(t, torch.ones_like(t)) for t in plain if t.is_floating_point()]
+        cells = _cells(len(duals))
+        device_batch(duals, cells, device)
+    assert device.no_segments == {"cpu"}
+    assert device.segment_failure.startswith("NotImplementedError: Trying to use forward AD "
+                                             "with segment_reduce")
+    for t, cell in zip(duals, cells):
+        assert _same(stats_of(cell), _torch_one(fwAD.unpack_dual(t).primal)), t.dtype
+    cells = _cells(len(plain))
+    device_batch(plain, cells, device)
+    assert all(_same(stats_of(c), _torch_one(t)) for t, c in zip(plain, cells))
+    other = DeviceStatistics()
+    device_batch(plain, _cells(len(plain)), other)
+    assert other.no_segments == set() and other.segment_failure is None
 
 
 def test_a_device_batch_is_filled_once_whatever_thread_waits():
