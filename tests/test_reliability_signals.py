@@ -55,7 +55,7 @@ with torch.no_grad():
         y = model(x)
         print("ROUND", i, flush=True)
 import atb_probe
-print("PENDING", atb_probe.active().writer.pending(), flush=True)
+print("PENDING", atb_probe.active().status()["bytes_queued"], flush=True)
 if ending in ("sigterm", "sigint"):
     os.kill(os.getpid(), getattr(signal, ending.upper()))
     time.sleep(60)  # the signal ends the process first: this line is never passed
@@ -142,7 +142,7 @@ atb_probe.enable(sys.argv[2], cfg)
 with torch.no_grad():
     for i in range(int(sys.argv[4])):
         model(x)
-print("PENDING", atb_probe.active().writer.pending(), flush=True)
+print("PENDING", atb_probe.active().status()["bytes_queued"], flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(60)  # the signal ends the process first: this line is never passed
 print("NOT-KILLED", flush=True)

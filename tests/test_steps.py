@@ -102,7 +102,8 @@ def test_a_step_begun_while_the_probe_slept_is_not_a_round(tmp_path, loop):
             loop.body(inputs_embeds=loop.embed(IDS))
             cfg.write_text(json.dumps(config()))
             probe.poll_config()
-            assert probe.engine._wrapper is not None  # awake now, in the middle of the step
+            # awake now, in the middle of the step
+            assert getattr(nn.Module.__call__, "__atb_probe__", False)
             loop.head(torch.zeros(1, 4, 32))
         with atb_probe.step():
             loop.step(IDS)
