@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from atb_probe.capture import recorder
-from conftest import config, dump, only_proc, read_csv, wait_until
+from conftest import dump, only_proc, read_csv
+from harness import config, wait_until
 
 
 class Layer(nn.Module):
@@ -67,8 +68,15 @@ def test_rows_of_a_long_round_are_written_before_the_round_ends(tmp_path):
 
 
 def test_rows_keep_execution_order_across_hand_overs(tmp_path, monkeypatch):
+    """Rows handed over every few sides (`MAX_WAITING_SIDES`) are on disk before the round
+    ends, and the round's statistic.csv lists them in execution order."""
     monkeypatch.setattr(recorder, "MAX_WAITING_SIDES", 3)  # hand over every few sides
-    net = Net([Layer() for _ in range(7)])
+
+    def wait_for_earlier_rows():
+        wait_until(lambda: _written_op_ids(tmp_path) >= {"0", "1", "2"}, 30,
+                   "rows handed over before the round ends")
+
+    net = Net([Layer() for _ in range(6)] + [Layer(wait_for_earlier_rows)])
     root = only_proc(dump(tmp_path, config(task="statistics"), lambda: net(torch.randn(2, 4))))
     rows = read_csv(root / "0" / "statistic.csv")
     assert [(r["Op Id"], r["Input/Output"]) for r in rows] == \
