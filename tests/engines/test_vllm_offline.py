@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import config, read_csv  # noqa: E402
+from conftest import read_csv  # noqa: E402
+from harness import config  # noqa: E402
 from vllm_harness import (EAGER_LINE, LAYER_OPS, layer_ops, model_files, offline,  # noqa: E402
                           probe_cli, tiny_model, vllm_cache, wait_complete, worker_dir)
 

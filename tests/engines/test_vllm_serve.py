@@ -43,8 +43,8 @@ def test_serve_dumps_exactly_the_steps_of_the_next_request(tmp_path, tiny_model,
     finally:
         server.stop()
     assert answer_tokens(body) == answer_tokens(asleep)
-    assert sum(WAKE in line for line in server.stderr) >= 1
-    assert sum(EAGER_LINE in line for line in server.stderr) == (0 if eager else 1)
+    assert server.lines(WAKE)
+    assert len(server.lines(EAGER_LINE)) == (0 if eager else 1)
 
     root = server.root
     proc = worker_dir(root)

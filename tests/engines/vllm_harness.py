@@ -9,16 +9,15 @@ the version of a distribution named `vllm`), so the server is started as
 from __future__ import annotations
 
 import json
-import os
-import socket
+import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 
-from conftest import DEFAULT_SIGNALS, SCRIPTS, LiveProcess, read_csv, wait_until
+from conftest import read_csv
+from harness import LiveProcess, clean_env, cli, free_port, loaded, run_shell, terminal, wait_until
 
 HERE = Path(__file__).resolve().parent
 OFFLINE = HERE / "offline.py"
@@ -32,29 +31,20 @@ LAYER_OPS = ["VocabParallelEmbedding", "LlamaDecoderLayer", "LlamaDecoderLayer",
 def engine_env(cache: Path) -> dict:
     """The environment of a vLLM process: no probe variables of ours (the load script sets
     them), a small KV cache, quiet logs, the compile cache in `cache`."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ATB_OUTPUT_DIR", "ATB_DUMP_CONFIG", "ATB_PROBE_BOOTSTRAP")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
-               VLLM_CACHE_ROOT=str(cache), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-def loaded(tmp: Path, command: str) -> str:
-    """`command` in a shell that sourced the load script with tmp/config.json."""
-    return (f'source "{SCRIPTS}/load_atb_probe.sh" --output={tmp} --config={tmp}/config.json'
-            f' && {command}')
+    return clean_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
+                     VLLM_CACHE_ROOT=str(cache), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                     HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
 def offline(tmp: Path, model: Path, cache: Path, *, eager: bool, probe: bool = True,
             prompts: int = 2, tokens: int = 4) -> tuple[list[list[int]], str]:
-    """Run `LLM(model).generate` (greedy) in a new process, through the load script when
-    `probe`; its generated token ids and its stderr."""
-    command = (f'"{sys.executable}" "{OFFLINE}" "{model}" --prompts {prompts} '
-               f'--tokens {tokens}{" --eager" if eager else ""}')
-    result = subprocess.run(["bash", "-c", loaded(tmp, command) if probe else command],
-                            cwd=tmp, env=engine_env(cache), capture_output=True, text=True,
-                            timeout=600)
+    """Run `LLM(model).generate` (greedy) in a new process, through the load script with
+    tmp/config.json when `probe`; its generated token ids and its stderr."""
+    command = terminal(sys.executable, OFFLINE, model, "--prompts", prompts, "--tokens", tokens,
+                       *(["--eager"] if eager else []))
+    if probe:
+        command = loaded(command, tmp, tmp / "config.json")
+    result = run_shell(command, tmp, engine_env(cache), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS ")]
     assert lines, result.stdout[-3000:]
@@ -88,9 +78,9 @@ def model_files(root: Path) -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in folder.rglob("*.json")}
 
 
-def probe_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "atb_probe.cli", *args], capture_output=True,
-                          text=True, timeout=300, cwd=cwd)
+def probe_cli(*args: str, cwd: Path | None = None):
+    """`atb-probe ARGS`, run to its end."""
+    return cli(*args, cwd=cwd)
 
 
 class Server(LiveProcess):
@@ -98,33 +88,20 @@ class Server(LiveProcess):
     script, on a free port of 127.0.0.1."""
 
     def __init__(self, tmp: Path, model: Path, cache: Path, *, eager: bool):
-        self.tmp = tmp
         self.model = str(model)
         self.config_path = tmp / "config.json"
         self.root = tmp / "atb_dump_data"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        command = (f'exec {DEFAULT_SIGNALS} "{sys.executable}" -m '
-                   f'vllm.entrypoints.openai.api_server --model "{model}" --host 127.0.0.1 '
-                   f'--port {self.port} --max-model-len 256 --dtype float32 --max-num-seqs 4 '
-                   f'--seed 0{" --enforce-eager" if eager else ""}')
-        self.proc = subprocess.Popen(["bash", "-c", loaded(tmp, command)], cwd=tmp,
-                                     env=engine_env(cache), text=True,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.port = free_port()
+        command = terminal(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                           model, "--host", "127.0.0.1", "--port", self.port, "--max-model-len",
+                           256, "--dtype", "float32", "--max-num-seqs", 4, "--seed", 0,
+                           *(["--enforce-eager"] if eager else []))
+        super().__init__(loaded(command, tmp, self.config_path), tmp, engine_env(cache))
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr.append(line.rstrip("\n"))
 
     def wait_ready(self, timeout: float = 400) -> None:
         def ready():
-            if self.proc.poll() is not None:
-                raise AssertionError("vllm serve exited:\n" + "\n".join(self.stderr[-60:]))
+            self.check_running("vllm serve")
             try:
                 return self.http.get("/health").status_code == 200
             except httpx.HTTPError:
@@ -145,15 +122,14 @@ class Server(LiveProcess):
         response.raise_for_status()
         return response.json()
 
-    def stop(self) -> None:
+    def stop(self, sig: int | None = None, timeout: float = 60) -> int:
+        """SIGTERM (or `sig`), then SIGKILL if it has not ended after `timeout` seconds."""
         self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        try:
+            return super().stop(signal.SIGTERM if sig is None else sig, timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode
 
 
 def answer_tokens(body: dict) -> list[str]:
