@@ -9,7 +9,7 @@ from torch import nn
 
 import atb_probe
 
-from conftest import config
+from harness import config
 
 
 class OtherTool:

@@ -10,8 +10,9 @@ from torch import nn
 from atb_probe import load
 from atb_probe.binfile import read_header
 
-from conftest import (Root, config, dump, dump_first_round, only_proc, op_dirs, read_csv,
-                      tiny_gpt2, tiny_llama)
+from conftest import (Root, dump, dump_first_round, only_proc, op_dirs, read_csv, tiny_gpt2,
+                      tiny_llama)
+from harness import config
 
 LAYER = "2_LlamaDecoderLayer"
 

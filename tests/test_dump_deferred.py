@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conftest import config, dump, only_proc, read_csv
+from conftest import dump, only_proc, read_csv
+from harness import config
 
 
 class Block(nn.Module):

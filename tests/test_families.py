@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, strategies as st
 from torch import nn
 
-from conftest import config, dump, generate, only_proc, read_csv, tiny_llama
+from conftest import dump, generate, only_proc, read_csv, tiny_llama
+from harness import config
 
 
 def _model_files(root: Path) -> dict[str, dict]:

@@ -15,7 +15,8 @@ from torch import nn
 from atb_probe.config import DEFAULTS
 from atb_probe.statcsv import COLUMNS
 
-from conftest import config, dump, generate, tiny_llama
+from conftest import dump, generate, tiny_llama
+from harness import config
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "format.md"
 

@@ -15,7 +15,8 @@ from atb_probe.binfile import read_header
 from atb_probe.tools.compare import compare_dumps
 from atb_probe.tools.scan import scan_dump
 
-from conftest import Root, config, dump, only_proc, read_csv
+from conftest import Root, dump, only_proc, read_csv
+from harness import config
 
 
 # Registered the way vLLM registers its kernels (`direct_register_custom_op`): a schema that

@@ -19,7 +19,8 @@ from atb_probe.binfile import read_header
 from atb_probe.record.safefs import MAX_PATH, SafeTree, UnsafePathError
 from atb_probe.statcsv import COLUMNS
 
-from conftest import config, generate, tiny_llama
+from conftest import generate, tiny_llama
+from harness import config
 
 SAFE_COMPONENT = re.compile(r"[A-Za-z0-9_.\-]{1,255}")
 

@@ -7,8 +7,8 @@ import pytest
 from atb_probe.config import parse_config
 from atb_probe.selection import Selection
 
-from conftest import (config, dump, dump_first_round, generate, only_proc, op_dirs, read_csv,
-                      tiny_llama)
+from conftest import dump, dump_first_round, generate, only_proc, op_dirs, read_csv, tiny_llama
+from harness import config
 
 
 def selection(**overrides) -> Selection:

@@ -7,7 +7,7 @@ import pytest
 
 from atb_probe.config import DEFAULTS, DumpConfig, ExecRange, parse_config
 
-from conftest import config as full_config
+from harness import config as full_config
 
 
 def parse(**doc):

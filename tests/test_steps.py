@@ -11,7 +11,8 @@ from torch import nn
 
 import atb_probe
 
-from conftest import config, dump, only_proc, op_dirs, read_csv, tiny_llama, wait_until
+from conftest import dump, only_proc, op_dirs, read_csv, tiny_llama
+from harness import config, wait_until
 
 
 class ServingLoop:
