@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny real models and dumps made in this process (other processes: harness.py)."""
+"""Shared fixtures: tiny real models, dumps made in this process and how to check them, file
+systems mounted for one test. (Other processes, and waiting for them: harness.py.)"""
 from __future__ import annotations
 
 import csv

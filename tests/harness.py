@@ -4,8 +4,8 @@ status file; and `wait_until`, the one way a test waits (on something it can see
 deadline, never a fixed sleep). `config` builds the config documents the tests write.
 
 Every process starts from an environment without the probe's variables (a shell that has not
-sourced the load script nor set the probe's options, whatever shell started the suite) and, where its signal handling
-matters, with SIGINT and SIGTERM at their defaults (`terminal`).
+sourced the load script nor set the probe's options, whatever shell started the suite) and,
+where its signal handling matters, with SIGINT and SIGTERM at their defaults (`terminal`).
 """
 from __future__ import annotations
 
@@ -150,8 +150,9 @@ def free_port() -> int:
 def run(argv: list, cwd: Path | None = None, env: dict | None = None,
         timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `argv` to its end, its output captured as text."""
-    return subprocess.run([str(a) for a in argv], cwd=cwd, env=clean_env() if env is None else env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([str(a) for a in argv], cwd=cwd,
+                          env=clean_env() if env is None else env, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def run_shell(command: str, cwd: Path, env: dict | None = None,
@@ -319,7 +320,7 @@ class LiveProcess(Running):
         return json.loads(self.status_file.read_text())
 
     def write_config(self, **overrides) -> float:
-        """Save config.json the way an editor does (truncate, then write); the time it was saved."""
+        """Save config.json the way an editor does (truncate, then write); when it was saved."""
         with open(self.config_path, "w") as f:
             f.write(json.dumps(config(**overrides), indent=4))
         return time.monotonic()

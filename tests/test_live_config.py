@@ -144,7 +144,7 @@ def test_sleeps_without_a_config_and_wakes_within_one_second_when_one_appears(pr
     # exec_range "none": rounds are counted from the wake-up on, nothing is written.
     wait_until(lambda: program.status()["rounds_started"] == 2, 2, "2 rounds counted")
     assert program.stop() == 0
-    final = json.loads(program.status_file.read_text())
+    final = program.status()
     assert final["exited"] is True and final["files_written"] == 0
     assert list((program.root / "data").iterdir()) == []
     assert len(program.lines(WAKE)) == 1

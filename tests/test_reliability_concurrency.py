@@ -18,7 +18,7 @@ import atb_probe
 from atb_probe.statcsv import COLUMNS
 
 from conftest import check_dump, tiny_llama
-from harness import config
+from harness import config, status_of
 from test_reliability_signals import DUMP_ALL, start
 
 # Columns that legitimately differ between processes or rounds.
@@ -184,6 +184,6 @@ def test_eight_threads_dumping_statistics_with_save_child_match_a_dump_made_alon
                                   for r in (tmp_path / "alone/atb_dump_data", root))
     expected_doc = dict(json.loads(alone_model.read_text()), rounds=[[0, len(got) - 1]])
     assert json.loads(threads_model.read_text()) == expected_doc
-    status = json.loads(next((root / "status").iterdir()).read_text())
+    status = status_of(root)
     assert status["last_error"] is None and status["rounds_dumped"] == len(inputs) * per_thread
 

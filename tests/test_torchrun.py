@@ -21,7 +21,7 @@ from atb_probe.capture.device import device_id
 from atb_probe.probe import Probe
 from atb_probe.binread import load_tensor
 from conftest import read_csv
-from harness import config, run, run_loaded, torchrun_loaded, wait_until
+from harness import config, run, run_loaded, status_of, torchrun_loaded, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel"
 STEPS = 2
@@ -211,8 +211,7 @@ def test_device_filter_dumps_only_the_process_on_that_device(only_rank1):
 
 def test_a_filtered_out_process_still_reports_its_status(only_rank1):
     root, pids = only_rank1
-    docs = {rank: json.loads((root / "status" / f"{rank}_{pid}.json").read_text())
-            for rank, pid in pids.items()}
+    docs = {rank: status_of(root, pid) for rank, pid in pids.items()}
     assert docs[0]["rounds_dumped"] == 0 and docs[0]["files_written"] == 0
     assert docs[1]["rounds_dumped"] == STEPS and docs[1]["files_written"] > 0
 
@@ -254,7 +253,7 @@ def test_a_device_decided_after_start_leaves_no_second_name(tmp_path):
     devpid = f"3_{pid}"
     root = tmp_path / "atb_dump_data"
     assert names(root / "status") == {f"{devpid}.json"}
-    assert json.loads((root / "status" / f"{devpid}.json").read_text())["device"] == 3
+    assert status_of(root, int(pid))["device"] == 3
     for folder in ("data", "info/layer", "info/model"):
         assert names(root / folder) == {devpid}, folder
 

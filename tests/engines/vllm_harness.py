@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 
 from conftest import read_csv
-from harness import LiveProcess, clean_env, cli, free_port, loaded, run_shell, terminal, wait_until
+from harness import (LiveProcess, clean_env, cli, free_port, loaded, run_shell, status_docs,
+                     terminal, wait_until)
 
 HERE = Path(__file__).resolve().parent
 OFFLINE = HERE / "offline.py"
@@ -111,7 +112,7 @@ class Server(LiveProcess):
     def status(self) -> dict:
         """The status of the process that runs the model (the one whose rounds count): the one
         with the most rounds, else the newest."""
-        docs = [json.loads(p.read_text()) for p in (self.root / "status").glob("*.json")]
+        docs = status_docs(self.root)
         docs.sort(key=lambda d: (d["rounds_started"], d["started_at"]))
         return docs[-1]
 
