@@ -269,3 +269,21 @@ def test_model_file_rounds_are_sorted_ranges_whatever_order_rounds_end_in(order)
         else:
             expected.append([index, index])
     assert file.doc["rounds"] == expected
+
+
+def test_a_lazy_module_is_dumped_from_its_first_call(tmp_path, capfd):
+    """`nn.LazyLinear` has no parameter shapes before its first forward: that round still
+    dumps without an internal error, its op_param.json says so, and a later round lists the
+    shapes the forward gave it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LazyLinear(3)).eval()
+    x = torch.randn(2, 4)
+    root = dump(tmp_path, config(task="tensor", exec_range="0,1"),
+                lambda: [model(x) for _ in range(2)])
+    assert "internal error" not in capfd.readouterr().err
+    proc = only_proc(root)
+    first = json.loads((proc / "0" / "2_LazyLinear" / "op_param.json").read_text())
+    later = json.loads((proc / "1" / "2_LazyLinear" / "op_param.json").read_text())
+    assert first["parameters"] == {"weight": "uninitialized", "bias": "uninitialized"}
+    assert later["parameters"] == {"weight": [3, 8], "bias": [3]}
+    assert (proc / "0" / "2_LazyLinear" / "after" / "outtensor0.bin").is_file()

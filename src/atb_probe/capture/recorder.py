@@ -40,6 +40,7 @@ from .tensors import (DUMPABLE_DTYPES, dumpable_dtype, flatten, host_bytes, loca
                       may_hold_tensor, same_bytes_key)
 
 MAX_PARAM_SHAPES = 256
+_UNINITIALIZED = torch.nn.parameter.UninitializedTensorMixin
 _STRIDED = torch.strided
 # Bytes of tensors a layer execution keeps alive for statistics computed at its end; beyond
 # this they are computed at once.
@@ -199,11 +200,14 @@ class Recorder:
         """The module's configuration: class, extra_repr, dtype and parameter shapes."""
         doc = self._static.get(module)
         if doc is None:
-            shapes, dtype = {}, None
+            shapes, dtype, lazy = {}, None, False
             for i, (name, p) in enumerate(module.named_parameters()):
                 if i >= MAX_PARAM_SHAPES:
                     shapes["..."] = "more parameters not listed"
                     break
+                if isinstance(p, _UNINITIALIZED):  # a lazy module before its first forward
+                    shapes[name], lazy = "uninitialized", True
+                    continue
                 shapes[name] = list(p.shape)
                 dtype = dtype or str(p.dtype).rpartition(".")[2]
             try:
@@ -213,7 +217,8 @@ class Recorder:
             doc = {"type": type(module).__name__,
                    "class": f"{type(module).__module__}.{type(module).__qualname__}",
                    "extra_repr": extra, "dtype": dtype, "parameters": shapes}
-            self._static[module] = doc
+            if not lazy:  # kept once its shapes are known
+                self._static[module] = doc
         return doc
 
     # -- kernels ----------------------------------------------------------------------------
