@@ -55,13 +55,12 @@ HEAD_CELLS, ROW_CELLS = 6, 5
 # cells) of one state byte and the file's path below the round folder in UTF-8. The writer
 # marks it missing when it does not write the file, and the row then says N/A.
 _NAMED, _MISSING = 0, 1
+_NAMED_BYTE = bytearray((_NAMED,))  # bytearray + bytes is a new bytearray
 
 
 def tensor_path_cell(in_round: str) -> bytearray:
     """The Tensor Path cell of a row whose file is `in_round` (relative to its round folder)."""
-    cell = bytearray(in_round.encode("utf-8", "surrogateescape"))
-    cell.insert(0, _NAMED)
-    return cell
+    return _NAMED_BYTE + in_round.encode("utf-8", "surrogateescape")
 
 
 def mark_missing(cell: bytearray) -> None:

@@ -135,17 +135,17 @@ class Engine:
         lack."""
         self.uninstall(force=True)
         self.vllm.stop()
-        self.recorder.flush_model_files()
+        self.recorder.structure.flush()
 
     def flush_model_files(self) -> None:
         """Rewrite the model files whose last rewrite is a second old or more and that hold
         rounds since (the probe's background thread: a finished round is listed soon even
         when no other round follows)."""
-        self.recorder.flush_model_files(due_only=True)
+        self.recorder.structure.flush(due_only=True)
 
     def model_files_pending(self) -> int:
         """How many model files hold rounds that are not on their way to disk yet."""
-        return self.recorder.model_files_pending()
+        return self.recorder.structure.pending()
 
     def uninstall(self, force: bool = False) -> None:
         """Put the original `__call__` back, at once when no round is running, else after the

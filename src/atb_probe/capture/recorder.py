@@ -142,12 +142,6 @@ class Recorder:
         self.structure.end_round(rnd, record.structure)
         return record.wrote
 
-    def flush_model_files(self, due_only: bool = False) -> None:
-        self.structure.flush(due_only)
-
-    def model_files_pending(self) -> int:
-        return self.structure.pending()
-
     def after_fork(self) -> None:
         """A forked child writes structure files of its own, into its own folders. Rows the
         forking thread had waiting are the parent's to write."""
