@@ -97,13 +97,13 @@ class step(contextlib.ContextDecorator):
     def __enter__(self):
         self._engine = getattr(_probe, "engine", None)
         if self._engine is not None:
-            self._engine.begin_step(self.phase)
+            self._engine.steps.begin(self.phase)
         return self
 
     def __exit__(self, *exc):
         engine, self._engine = self._engine, None
         if engine is not None:
-            engine.end_step()
+            engine.steps.end()
         return False
 
 

@@ -34,7 +34,7 @@ from torch import nn
 from .. import log
 from ..rounds import RoundSource
 from .frames import Below, Frame, RoundRun
-from .models import Model, ModelCatalog, ModuleInfo, phase_of, uncompiled
+from .models import ModelCatalog, phase_of, uncompiled
 from .ops import OpWalker
 from .recorder import Recorder
 from .vllm import VllmSteps
@@ -69,13 +69,12 @@ _UNSEEN_FRAME = Frame(_UNSEEN)
 
 
 class Engine:
-    """Installs the `__call__` wrapper and runs the rounds and engine steps of one `Probe`;
-    the ops below a root are `OpWalker`'s, modules and models `ModelCatalog`'s.
+    """Installs the `__call__` wrapper and runs the rounds of one `Probe`; engine steps are
+    `Steps`', the ops below a root `OpWalker`'s, modules and models `ModelCatalog`'s.
 
-    More methods than we like in a class: installing, the rounds and the engine steps share
-    one lock (`_lock`) and the counts it guards (`active_rounds`, `dumped_rounds_open`, a
-    pending sleep), because an uninstall must wait for the last running round to end, in
-    whatever thread and step it runs."""
+    Installing and the rounds stay in one class: they share one lock (`_lock`) and the counts
+    it guards (`active_rounds`, `dumped_rounds_open`, a pending sleep), because an uninstall
+    must wait for the last running round to end, in whatever thread it runs."""
 
     def __init__(self, source: RoundSource, sink):
         self.source = source
@@ -83,8 +82,8 @@ class Engine:
         self.recorder = Recorder(sink)
         self.models = ModelCatalog()
         self._unmatched_warned: set = set()
-        self._compile_said = False
-        self.compile_problem: str | None = None  # why compiled code is not dumped, or None
+        self.compiled = CompileNotice()
+        self.steps = Steps(self)
         self.ops = OpWalker(self)
         self.vllm = VllmSteps(self)
         self.vllm.start()
@@ -93,13 +92,13 @@ class Engine:
         self._lock = threading.Lock()
         self.active_rounds = 0
         self.dumped_rounds_open = 0  # dumped rounds running now: their data is still to come
-        self._sleep_requested = False
+        self.sleep_requested = False  # uninstall once the running rounds end; no new round
 
     # -- installing -------------------------------------------------------------------------
 
     def install(self) -> None:
         with self._lock:
-            self._sleep_requested = False
+            self.sleep_requested = False
             if self._wrapper is not None:
                 return
             original = nn.Module.__call__
@@ -154,7 +153,7 @@ class Engine:
             if self._wrapper is None:
                 return
             if self.active_rounds and not force:
-                self._sleep_requested = True
+                self.sleep_requested = True
                 return
             self._restore()
 
@@ -164,7 +163,7 @@ class Engine:
         if nn.Module.__call__ is self._wrapper:
             nn.Module.__call__ = self._original
         self._wrapper = None
-        self._sleep_requested = False
+        self.sleep_requested = False
 
     def after_fork(self) -> None:
         """In a forked child only the forking thread survives: start its stack afresh; its
@@ -182,12 +181,6 @@ class Engine:
     def original_call(self):
         """What the wrapper wraps: calls of a round that outlives an uninstall end there too."""
         return self._original or nn.Module.__call__
-
-    def info(self, module) -> ModuleInfo:
-        return self.models.info(module)
-
-    def model(self, root) -> Model:
-        return self.models.model(root)
 
     # -- roots and rounds -------------------------------------------------------------------
 
@@ -209,7 +202,7 @@ class Engine:
             # Once sleep is requested no new round starts, so the running ones drain and the
             # original __call__ goes back even while other threads keep calling the model.
             # Inside a serving engine only its steps are rounds (capture/vllm.py).
-            elif not (self._sleep_requested or self._steps_only() or _joined_mid_call() or
+            elif not (self.sleep_requested or self._steps_only() or _joined_mid_call() or
                       torch.compiler.is_compiling()):
                 rnd = self.begin_round(module, args, kwargs)
                 owned = True
@@ -251,17 +244,17 @@ class Engine:
         model in the same step still shows its layers)."""
         if next(iter(module._modules.values()), None) is None:
             return True
-        return rnd.roots > 1 and not self.info(module).holds_blocks
+        return rnd.roots > 1 and not self.models.info(module).holds_blocks
 
     def _main_root(self, rnd: RoundRun, module, args, kwargs, phase: str | None) -> None:
         """A step's round belongs to its main model: the first of its roots that holds a block
         list (a serving loop may call an embedding on its own first)."""
-        if not self.info(uncompiled(module)).holds_blocks:
+        if not self.models.info(uncompiled(module)).holds_blocks:
             return
         rnd.main = True
-        rnd.model = self.model(module)
+        rnd.model = self.models.model(module)
         rnd.root_module = module
-        rnd.phase = phase or phase_of(self.info(uncompiled(module)).params, args, kwargs)
+        rnd.phase = phase or phase_of(self.models.info(uncompiled(module)).params, args, kwargs)
 
     def begin_round(self, module, args, kwargs, phase: str | None = None) -> RoundRun:
         start = self.source.start_round(module, args, kwargs)
@@ -269,76 +262,18 @@ class Engine:
         with self._lock:
             self.active_rounds += 1
             self.dumped_rounds_open += dumping
-        model = self.model(module)
+        model = self.models.model(module)
         rnd = RoundRun(start, model)
         self.tls.round = rnd
         if dumping:
             rnd.record = self.recorder.begin_round(start.devpid, start.index)
             rnd.root_module = module
-            info = self.info(uncompiled(module))
+            info = self.models.info(uncompiled(module))
             rnd.main = info.holds_blocks
             rnd.phase = phase or phase_of(info.params, args, kwargs)
             if model.compiled or _dynamo_compiled():
-                self.say_compiled()
+                self.compiled.say()
         return rnd
-
-    # -- engine steps -----------------------------------------------------------------------
-
-    def begin_step(self, phase: str | None = None) -> None:
-        """An engine step begins in this thread: its root calls make one round (SPEC §8).
-        `phase` ("Prefill" or "Decoder") is the engine's word on it; None lets the first root
-        call's cache argument tell. A step inside a step is part of it."""
-        step = self.tls.step
-        if step is not None:
-            step.depth += 1
-        else:
-            self.tls.step = Step(phase, passive=self._wrapper is None)
-
-    def current_step(self) -> Step | None:
-        """The engine step this thread is in, or None."""
-        return self.tls.step
-
-    def end_step(self, step: Step | None = None) -> None:
-        """The step begun last in this thread ends (only if it is `step`, when given); the
-        outermost ends its round."""
-        if step is not None and self.tls.step is not step:
-            return
-        step = self.tls.step
-        if step is None:
-            return
-        step.depth -= 1
-        if step.depth:
-            return
-        self.tls.step = None
-        if step.round is not None:
-            self.end_round(step.round)
-
-    def step_dumped(self) -> bool:
-        """Whether the step this thread is in (or the next root call) will be dumped: for an
-        engine's switch to run that step eagerly."""
-        step = self.tls.step
-        if step is not None and step.round is not None:
-            return step.round.dumping
-        if step is not None and step.passive or self._wrapper is None or self._sleep_requested:
-            return False
-        return self.source.next_round_dumped()
-
-    def say_compiled(self, message: str | None = None) -> None:
-        """Say once how compiled code is dumped: `message` from an engine that switched it to
-        eager, else torch.compile's stance (or this engine's `compile_problem`)."""
-        if self._compile_said:
-            return
-        self._compile_said = True
-        if self.compile_problem:
-            log.warn(self.compile_problem)
-        elif message:
-            log.info(message)
-        elif _FORCE_EAGER is None:
-            log.warn("this torch has no torch.compiler.set_stance: the modules and kernels "
-                     "inside compiled code (torch.compile) are not seen")
-        else:
-            log.info("compiled code (torch.compile) runs eagerly while a round is dumped, so "
-                     "the ops inside it are seen; other rounds run it compiled")
 
     def end_round(self, rnd: RoundRun) -> None:
         self.tls.round = None
@@ -354,7 +289,7 @@ class Engine:
             with self._lock:
                 self.active_rounds -= 1
                 self.dumped_rounds_open -= rnd.dumping
-                if self._sleep_requested and not self.active_rounds:
+                if self.sleep_requested and not self.active_rounds:
                     self._restore()
 
     def _warn_unmatched(self, rnd: RoundRun) -> None:
@@ -372,6 +307,89 @@ class Engine:
                if rnd.layer_count else "no layer-level op")
         log.warn(f"{' and '.join(keys)} matched no op in round {rnd.index} of "
                  f"{rnd.model.name}, so nothing was written for it; that round had {had}")
+
+class Steps:
+    """The engine steps of one `Engine` (SPEC §8): while a thread is in a step, its root calls
+    share one round, begun at the first of them and ended with the step. `atb_probe.step()`
+    and the vLLM runner patches (capture/vllm.py) begin and end them."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.tls = engine.tls
+
+    def begin(self, phase: str | None = None) -> None:
+        """An engine step begins in this thread. `phase` ("Prefill" or "Decoder") is the
+        engine's word on it; None lets the first root call's cache argument tell. A step
+        inside a step is part of it."""
+        step = self.tls.step
+        if step is not None:
+            step.depth += 1
+        else:
+            self.tls.step = Step(phase, passive=not self.engine.awake)
+
+    def current(self) -> Step | None:
+        """The engine step this thread is in, or None."""
+        return self.tls.step
+
+    def end(self, step: Step | None = None) -> None:
+        """The step begun last in this thread ends (only if it is `step`, when given); the
+        outermost ends its round."""
+        if step is not None and self.tls.step is not step:
+            return
+        step = self.tls.step
+        if step is None:
+            return
+        step.depth -= 1
+        if step.depth:
+            return
+        self.tls.step = None
+        if step.round is not None:
+            self.engine.end_round(step.round)
+
+    def dumped(self) -> bool:
+        """Whether the step this thread is in (or the next root call) will be dumped: for an
+        engine's switch to run that step eagerly."""
+        step = self.tls.step
+        if step is not None and step.round is not None:
+            return step.round.dumping
+        engine = self.engine
+        if step is not None and step.passive or not engine.awake or engine.sleep_requested:
+            return False
+        return engine.source.next_round_dumped()
+
+
+class CompileNotice:
+    """How compiled code is dumped, said once per probe: on stderr, and `problem` in the
+    status file when the ops inside compiled code are not seen."""
+
+    def __init__(self):
+        self.problem: str | None = None  # why compiled code is not dumped, or None
+        self._said = False
+
+    def cannot_run_eagerly(self, problem: str) -> None:
+        """An engine's compiled code cannot be switched to eager: the first such problem is
+        the one reported."""
+        if self.problem is None:
+            self.problem = problem
+            self.say()
+
+    def say(self, message: str | None = None) -> None:
+        """Say once how compiled code is dumped: `message` from an engine that switched it to
+        eager, else torch.compile's stance (or the `problem`)."""
+        if self._said:
+            return
+        self._said = True
+        if self.problem:
+            log.warn(self.problem)
+        elif message:
+            log.info(message)
+        elif _FORCE_EAGER is None:
+            log.warn("this torch has no torch.compiler.set_stance: the modules and kernels "
+                     "inside compiled code (torch.compile) are not seen")
+        else:
+            log.info("compiled code (torch.compile) runs eagerly while a round is dumped, so "
+                     "the ops inside it are seen; other rounds run it compiled")
+
 
 # "force_eager" runs compiled code as plain Python for the length of a dumped round. Only where
 # torch.compile has been used: `torch.compile` and `Module.compile` import torch._dynamo, and

@@ -56,7 +56,7 @@ class OpFrame(Frame):
 
 class RoundRun:
     """One round as it runs: a root call, or every root call of one engine step
-    (`Engine.begin_step`); its number, the selection it runs under, its model and phase, and
+    (`Steps.begin`); its number, the selection it runs under, its model and phase, and
     its progress. `record`: the recorder's record of it, when it is dumped."""
 
     __slots__ = ("index", "selection", "devpid", "dumping", "layer_count", "layer_names",

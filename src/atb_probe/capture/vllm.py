@@ -133,22 +133,22 @@ class VllmSteps:
                 return original(runner, scheduler_output, *args, **kwargs)
             try:
                 steps._end_pending(runner)   # a step whose sampling never came
-                engine.begin_step(step_phase(runner, scheduler_output))
+                engine.steps.begin(step_phase(runner, scheduler_output))
             except Exception as exc:
                 engine.source.report(exc)
                 return original(runner, scheduler_output, *args, **kwargs)
             if not hasattr(getattr(type(runner), "_model_forward", None), _MARK) and \
-                    engine.step_dumped():
+                    engine.steps.dumped():
                 no_switch(engine, runner)
             try:
                 out = original(runner, scheduler_output, *args, **kwargs)
             except BaseException:
-                engine.end_step()
+                engine.steps.end()
                 raise
             if out is None and getattr(runner, "execute_model_state", None) is not None:
-                steps.pending[id(runner)] = engine.current_step()
+                steps.pending[id(runner)] = engine.steps.current()
             else:
-                engine.end_step()
+                engine.steps.end()
             return out
 
         return execute_model
@@ -167,19 +167,19 @@ class VllmSteps:
     def _end_pending(self, runner) -> None:
         step = self.pending.pop(id(runner), None)
         if step is not None:
-            self.engine.end_step(step)
+            self.engine.steps.end(step)
 
     def _model_forward(self, original):
         engine = self.engine
 
         def _model_forward(runner, *args, **kwargs):
-            if not engine.awake or not engine.step_dumped():
+            if not engine.awake or not engine.steps.dumped():
                 return original(runner, *args, **kwargs)
             switch = _EagerSwitch()
             if not switch.on():
                 no_switch(engine, runner)
             elif compiled(runner):
-                engine.say_compiled(EAGER_MESSAGE)
+                engine.compiled.say(EAGER_MESSAGE)
             try:
                 return original(runner, *args, **kwargs)
             finally:
@@ -285,9 +285,8 @@ def compiled(runner) -> bool:
 def no_switch(engine, runner) -> None:
     """A dumped step of a compiled model that the probe cannot run eagerly: say so, once, on
     stderr and in the status file (`compile_problem`)."""
-    if compiled(runner) and engine.compile_problem is None:
-        engine.compile_problem = NO_SWITCH.format(runner=type(runner).__name__)
-        engine.say_compiled()
+    if compiled(runner):
+        engine.compiled.cannot_run_eagerly(NO_SWITCH.format(runner=type(runner).__name__))
 
 
 def step_phase(runner, scheduler_output) -> Phase | None:
