@@ -42,16 +42,10 @@ STATUS_DIR = "status"
 OP_PARAM = "op_param.json"
 INFO_KINDS = ("layer", "model")
 
-INPUT, OUTPUT = "input", "output"            # statistic.csv's Input/Output column
-_SIDE_DIR = {INPUT: "before", OUTPUT: "after"}
-_FILE_PREFIX = {INPUT: "intensor", OUTPUT: "outtensor"}
-_IO_OF_PREFIX = {"intensor": INPUT, "outtensor": OUTPUT}
-SIDE_DIRS = tuple(_SIDE_DIR.values())        # ("before", "after")
-
 
 class Side(str, enum.Enum):
-    """The side of an op a tensor is on: the two values of statistic.csv's Input/Output column
-    (`INPUT`, `OUTPUT` above), which the functions below take as `io`."""
+    """The side of an op a tensor is on: the two values of statistic.csv's Input/Output column,
+    which the functions below take as `io`."""
 
     INPUT = "input"
     OUTPUT = "output"
@@ -60,6 +54,13 @@ class Side(str, enum.Enum):
     __format__ = str.__format__
 
 
+# The same two words as plain str: the recorder's side records hold these, because a tuple of
+# str (and bytearray cells) is one the garbage collector stops tracking, an enum member is not.
+INPUT, OUTPUT = Side.INPUT.value, Side.OUTPUT.value
+_SIDE_DIR = {INPUT: "before", OUTPUT: "after"}
+_FILE_PREFIX = {INPUT: "intensor", OUTPUT: "outtensor"}
+_IO_OF_PREFIX = {"intensor": INPUT, "outtensor": OUTPUT}
+SIDE_DIRS = tuple(_SIDE_DIR.values())        # ("before", "after")
 _SIDES = {side.value: side for side in Side}
 
 _DEVPID = re.compile(r"^(\d+)_(\d+)$")

@@ -522,7 +522,7 @@ def _uninitialized(layer, items, writes_args: bool) -> list[str]:
         except Exception:  # subclasses, tensors without storage
             continue
         if address in layer.uninit:
-            names.append(layout.tensor_name("output", i))
+            names.append(layout.tensor_name(OUTPUT, i))
     return names
 
 
