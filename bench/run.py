@@ -158,6 +158,9 @@ def _profile(args) -> int:
 def _orchestrate(args) -> int:
     pairs = args.pairs or (QUICK_PAIRS if args.quick else DEFAULT_PAIRS)
     ms_python, ms_note = _find_msprobe(args.msprobe_python)
+    named = [c.strip() for c in (args.cases or "").split(",")]
+    if ms_python is None and any(BY_NAME.get(c) and BY_NAME[c].tool == "msprobe" for c in named):
+        print(f"msprobe cases named in --cases are skipped: msprobe {ms_note}", file=sys.stderr)
     names = ("small", "large") if args.workload == "all" else (args.workload,)
     root = os.path.abspath(args.out) if args.out else tempfile.mkdtemp(prefix="atb-bench-")
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
