@@ -61,12 +61,13 @@ class SafeTree:
         """The disk stopped answering: later writes fail at once instead of blocking."""
         self.stuck = True
 
-    def path(self, rel: str) -> str:
-        return os.path.join(self.root, rel) if rel else self.root
+    def path(self, rel_dir: str, name: str = "") -> str:
+        """The absolute path of `rel_dir/name` (either may be empty)."""
+        return os.path.join(self.root, *(part for part in (rel_dir, name) if part))
 
     def check_length(self, rel_dir: str, name: str = "") -> None:
         """UnsafePathError when `rel_dir/name` would be longer than `MAX_PATH` characters."""
-        full = os.path.join(self.path(rel_dir), name)
+        full = self.path(rel_dir, name)
         if len(full.encode("utf-8", "surrogateescape")) > MAX_PATH:
             raise UnsafePathError(errno.ENAMETOOLONG,
                                   f"path of {len(full)} characters is over the {MAX_PATH} limit",

@@ -135,7 +135,12 @@ class RowBatches:
 
 
 class Writer:
-    """Writes files and csv rows under a `SafeTree` from a background thread."""
+    """Writes files and csv rows under a `SafeTree` from a background thread.
+
+    More methods than we like in a class: the queue, back-pressure, the csv batches, the free
+    space check and failure all share one condition (`_cond`) and the state it guards, because
+    a producer waiting for room must be woken by whatever frees it: a job written, rows
+    appended, the writer failing or closing. The row batches themselves are `RowBatches`'."""
 
     def __init__(self, tree: SafeTree, queue_bytes: int = DEFAULT_QUEUE_BYTES,
                  min_free: int | None = None, stall_seconds: float | None = None):
@@ -333,7 +338,7 @@ class Writer:
             self._refuse(exc, rel_dir)
 
     def _where(self, job: TensorFileJob | JsonJob | RowsJob | None) -> str:
-        return self.tree.path(f"{job.rel_dir}/{job.name}") if job else self.tree.root
+        return self.tree.path(job.rel_dir, job.name) if job else self.tree.root
 
     def _refuse(self, exc: UnsafePathError, rel_dir: str) -> None:
         self.stats.files_skipped += 1
@@ -368,7 +373,7 @@ class Writer:
             finally:
                 self._release(rows)
             if error is not None and not self.failed:
-                self._fail(error, self.tree.path(f"{key[0]}/{key[1]}"))
+                self._fail(error, self.tree.path(*key))
 
     def _release(self, rows: _Rows) -> None:
         with self._cond:
