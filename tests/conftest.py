@@ -15,8 +15,7 @@ from torch import nn
 import atb_probe
 from atb_probe.binfile import read_header
 from atb_probe.statcsv import COLUMNS
-# `run_loaded` too: tests/test_tools_compare_messages.py imports it from here.
-from harness import config, run, run_loaded, wait_until  # noqa: F401
+from harness import config, run, wait_until
 
 
 def tiny_llama(layers: int = 2, hidden: int = 32, vocab: int = 64, seed: int = 0,

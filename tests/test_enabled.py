@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import atb_probe
-from conftest import config, read_csv, tiny_llama
+from conftest import read_csv, tiny_llama
+from harness import config
 
 
 def _dump_files(root):

@@ -15,7 +15,8 @@ from atb_probe.dtypes import DTYPES
 from atb_probe.statcsv import COLUMNS, HEADER
 from atb_probe.binread import load_tensor
 
-from conftest import Root, config, dump, generate, only_proc, read_csv, tiny_llama
+from conftest import Root, dump, generate, only_proc, read_csv, tiny_llama
+from harness import config
 
 LLAMA_LAYERS = ["0_Embedding", "1_LlamaRotaryEmbedding", "2_LlamaDecoderLayer",
                 "3_LlamaDecoderLayer", "4_LlamaRMSNorm", "5_Linear"]

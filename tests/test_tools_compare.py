@@ -17,8 +17,8 @@ from atb_probe.tools.resulttable import COLUMNS
 from atb_probe.tools.divergence import Thresholds
 from atb_probe.tools.dumpreader import open_dump
 
-from conftest import (MSPROBE_MISSING, config, dump, generate, msprobe_executable, only_proc,
-                      tiny_llama)
+from conftest import MSPROBE_MISSING, dump, generate, msprobe_executable, only_proc, tiny_llama
+from harness import config
 
 PERTURBED_OP = "3_LlamaDecoderLayer/1_LlamaAttention/6_Linear"   # layers[1].self_attn.v_proj
 

@@ -19,7 +19,8 @@ from atb_probe.tools.comparison import CompareError
 from atb_probe.tools.opmap import load_map
 
 from atb_named import atb_tree, write_map
-from conftest import config, dump, generate, tiny_llama
+from conftest import dump, generate, tiny_llama
+from harness import config
 
 PERTURBED_V_PROJ = ("3_Prefill_layer/1_SelfAttention/6_Linear",
                     "4_LlamaDecoderLayer/1_LlamaAttention/6_Linear")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import config, run_loaded
+from harness import config, run_loaded
 
 MLP = """
 import torch

@@ -13,7 +13,8 @@ from atb_probe.binfile import read_header
 from atb_probe.dtypes import DTYPES
 from atb_probe.tools.parse import parse_path
 
-from conftest import MSPROBE_MISSING, config, dump, msprobe_executable, only_proc
+from conftest import MSPROBE_MISSING, dump, msprobe_executable, only_proc
+from harness import config
 
 
 class Passthrough(nn.Module):

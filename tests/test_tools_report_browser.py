@@ -15,7 +15,8 @@ from PIL import Image
 
 from atb_probe.tools.compare import compare_dumps, write_outputs
 
-from conftest import config, dump, generate, tiny_llama
+from conftest import dump, generate, tiny_llama
+from harness import config
 
 BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome")
                 if shutil.which(b)), None)

@@ -19,7 +19,8 @@ from atb_probe import cli
 from atb_probe.tools.compare import compare_dumps, write_outputs
 from atb_probe.tools.scan import Settings, scan_dump
 
-from conftest import Root, config, dump, generate, tiny_llama
+from conftest import Root, dump, generate, tiny_llama
+from harness import config
 
 OVERFLOW_MM = "3_LlamaDecoderLayer/4_LlamaMLP/4_Linear/2_MmKernel"   # layers[1].mlp.down_proj
 

@@ -11,7 +11,8 @@ from atb_probe import cli
 from atb_probe.statcsv import COLUMNS
 from atb_probe.tools.dumpreader import DumpError, open_dump
 
-from conftest import config, dump, generate, only_proc, read_csv, tiny_llama
+from conftest import dump, generate, only_proc, read_csv, tiny_llama
+from harness import config
 
 
 @pytest.fixture(scope="module")
