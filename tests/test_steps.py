@@ -58,6 +58,21 @@ def test_every_root_of_a_step_is_in_one_round_with_ids_continuing(tmp_path, loop
     assert rows[-1]["Op Id"] == str(len(ops) - 1) and rows[-1]["Input/Output"] == "output"
 
 
+def test_a_step_inside_a_step_is_part_of_it(tmp_path, loop):
+    """An engine step begun inside another (a user's `step()` around an engine's) joins it: the
+    inner step's end does not end the round, so the roots after it are in the same round."""
+    def run():
+        with atb_probe.step():
+            with atb_probe.step():
+                hidden = loop.body(inputs_embeds=loop.embed(IDS)).last_hidden_state
+            loop.head(hidden)
+
+    proc = only_proc(dump(tmp_path, config(), run))
+    assert [p.name for p in proc.iterdir()] == ["0"]
+    ops = layer_ops(proc / "0")
+    assert ops[0] == "0_Embedding" and ops[-1] == f"{len(ops) - 1}_Linear"
+
+
 def test_without_a_step_each_root_is_a_round_and_a_leaf_root_is_op_0(tmp_path, loop):
     proc = only_proc(dump(tmp_path, config(), lambda: loop.step(IDS)))
     assert sorted(p.name for p in proc.iterdir()) == ["0", "1", "2"]
