@@ -52,9 +52,9 @@ _DEVICE = DeviceStatistics()  # the device statistics of the tests that reduce o
 def _stats(tensors: list) -> list:
     cells = [new_cell(new_serial()) for _ in tensors]
     compute(tensors, cells, _DEVICE)
-    landing = _DEVICE.landing()
-    if landing is not None:
-        landing.wait()
+    landed = _DEVICE.landings.last()
+    if landed is not None:
+        landed.wait()
     return [values(c) for c in cells]
 
 

@@ -10,6 +10,7 @@ for bit; by segments, and against the host's float32 sums, the same to float32 r
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -17,9 +18,16 @@ import pytest
 import torch
 
 from atb_probe.capture import stats_compute as statistics
+from atb_probe.capture.landing import Landings
 from atb_probe.capture.stats_compute import DeviceStatistics, dense_flat, prepare
 from atb_probe.capture.stats_compute import compute as _compute
+from atb_probe.record.jobs import TensorFileJob
+from atb_probe.record.safefs import SafeTree
+from atb_probe.record.writer import Writer
 from atb_probe.stats_cell import READY, new_cell, new_serial, values as stats_of
+
+from conftest import probe_lines
+from harness import wait_until
 
 
 def compute(tensors, cells) -> None:
@@ -28,12 +36,18 @@ def compute(tensors, cells) -> None:
 
 
 def device_batch(tensors, cells, device: DeviceStatistics | None = None) -> DeviceStatistics:
-    """The device path's batch of `tensors` (here CPU tensors), its cells filled as the writer
-    fills them: by waiting on the landing taken after the batch."""
+    """The device path's batch of `tensors` (here CPU tensors), its cells filled by the landing
+    thread; waited for as the writer waits, on what `landings.last()` gives after the batch."""
     device = device or DeviceStatistics()
     device.batch(tensors, cells)
-    device.landing().wait()
+    wait_landed(device)
     return device
+
+
+def wait_landed(device: DeviceStatistics) -> None:
+    landed = device.landings.last()  # None: everything queued has landed already
+    if landed is not None:
+        landed.wait()
 
 
 def _numpy_one(t: torch.Tensor):
@@ -225,11 +239,12 @@ def test_a_device_batch_is_filled_once_whatever_thread_waits():
     cells = _cells(len(tensors))
     device = DeviceStatistics()
     device.batch([prepare(t) for t in tensors], cells)
-    landing = device.landing()
+    landed = device.landings.last()
     got = []
 
     def wait_and_read():
-        landing.wait()
+        if landed is not None:
+            landed.wait()
         got.append([stats_of(c) for c in cells])
 
     threads = [threading.Thread(target=wait_and_read) for _ in range(4)]
@@ -290,22 +305,45 @@ def test_statistics_leave_the_users_numpy_error_state_alone(values):
     assert _same(stats_of(cells[0]), _numpy_one(t))
 
 
-def test_device_batches_whose_rows_are_never_formatted_do_not_pile_up(monkeypatch):
-    """A device batch waits in its `DeviceStatistics` until the writer waits on a landing
-    that covers it. When rows are never formatted (the writer stopped), batches whose copy has
-    landed are finished once too many wait, so what waits stays bounded and their cells are
-    filled."""
-    monkeypatch.setattr(statistics, "MAX_DEVICE_BATCHES", 4)
+def test_device_batches_are_filled_by_the_landing_thread_whoever_waits():
+    """The landing thread fills a device batch's cells once its copy has landed, whether or not
+    anything waits for them (the writer may have stopped), and ends once it has had nothing to
+    do for a while; the next batch starts it again."""
     device = DeviceStatistics()
-    cells = []
-    for i in range(20):
-        batch = _cells(2)
-        device.batch([prepare(torch.randn(8)), prepare(torch.randn(3))], batch)
-        cells += batch
-        assert device.pending() <= 4
-    assert all(c[-1] == READY for c in cells[:-8])  # finished while too many waited
-    landing = device.landing()
-    if landing is not None:
-        landing.wait()
-    assert all(stats_of(c) is not None for c in cells)  # and the rest by the landing
-    assert not device.pending()
+    for _ in range(2):
+        tensors = [torch.randn(8), torch.randn(3)] * 10
+        cells = _cells(len(tensors))
+        device.batch([prepare(t) for t in tensors], cells)
+        wait_until(lambda: all(c[-1] == READY for c in cells), 30, "the cells filled")
+        assert all(_agree(stats_of(c), _numpy_one(t)) for t, c in zip(tensors, cells))
+        assert device.landings.pending() == 0 and device.landings.last() is None
+        wait_until(lambda: not any(t.name == "atb-probe-landing" for t in threading.enumerate()),
+                   30, "the idle landing thread to end")
+
+
+def test_a_copy_that_fails_to_land_fails_every_wait_from_then_on(tmp_path, capfd):
+    """A copy whose follow-up raises (a device error) is not taken for landed data: waiting for
+    it, or for anything queued after it, raises that error, which the writer reports; what
+    landed before it is still sound."""
+    landings = Landings()
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    before = landings.watch(None)
+    before.wait()
+    first = landings.watch(None, broken)
+    later = landings.watch(None)
+    before.wait()  # landed before the failure: its data is sound
+    for landed in (first, later):
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            landed.wait()
+
+    tree = SafeTree(str(tmp_path / "atb_dump_data"))
+    writer = Writer(tree, min_free=0)
+    writer.put(TensorFileJob("d", "intensor0.bin", [bytes(64)], 64, later))
+    assert writer.close(30) and writer.failed
+    assert "illegal memory access" in writer.stats.last_error
+    assert "dumping stopped, the model goes on" in writer.stats.last_error
+    assert not (tmp_path / "atb_dump_data" / "d" / "intensor0.bin").exists()
+    assert probe_lines(capfd.readouterr().err, "ERROR")

@@ -2,13 +2,13 @@
 for the statistic.csv rows that show them.
 
 The recorder hands a row a cell as soon as it sees the tensor; the cell fills when its batch is
-computed (capture/stats_compute.py), on an accelerator when the batch's copy to the host has
-landed (the rows' `Landing`, which the writer waits on), and the writer reads it when it
-formats the row (`values`). Pure: no torch.
+computed (capture/stats_compute.py), on an accelerator when the landing thread has seen the
+batch's copy to the host land (the rows' `Landed`, which the writer waits on), and the writer
+reads it when it formats the row (`values`). Pure: no torch.
 
 Rows wait for the writer for a while (a round, then the writer's delay), so many of them are
 alive at once. A cell is therefore a `bytearray` (struct `_CELL`: max, min, mean and norm as
-float64, the serial of the queue or device batch it waits in, its state), not an object of a
+float64, the serial of the queue it waits in, its state), not an object of a
 class: a bytearray is not tracked by Python's garbage collector, and an exact tuple made only of
 cells, strings and ints (a statistic.csv row, see statcsv.py) stops being tracked at its first
 collection. Tracked objects that live for a round get promoted to the oldest generation, and
@@ -31,14 +31,14 @@ _serial_of = _SERIAL.unpack_from
 _SERIAL_AT = 32
 _QUEUED = bytearray(_CELL.size)
 _QUEUED[-1] = QUEUED
-_serials = itertools.count(1)  # queues and device batches (next() is atomic under the GIL)
+_serials = itertools.count(1)  # queues (next() is atomic under the GIL)
 
 EMPTY = bytearray(_CELL.size)  # the statistics of every empty tensor: N/A
 EMPTY[-1] = NO_VALUES
 
 
 def new_serial() -> int:
-    """A number that names a queue or a device batch in its cells."""
+    """A number that names a queue in its cells."""
     return next(_serials)
 
 
@@ -50,7 +50,7 @@ def new_cell(serial: int) -> bytearray:
 
 
 def waits_in(cell: bytearray) -> int:
-    """The serial of the queue or device batch a `QUEUED` or `DEVICE` cell waits in."""
+    """The serial of the queue a `QUEUED` cell waits in."""
     return _serial_of(cell, _SERIAL_AT)[0]
 
 

@@ -393,7 +393,7 @@ class Recorder:
                     # This alias keeps the storage alive now, maybe after the first one died.
                     layer.written[key] = (weakref.ref(t), target)
                 else:
-                    data, ready = host_bytes(t)
+                    data, ready = host_bytes(t, self.stats.device.landings)
                     put(TensorFileJob(files_dir, fname,
                                       [encode_header(dt.code, dims, data.nbytes), data],
                                       data.nbytes + _FILE_JOB_BYTES, ready, path_cell))
@@ -418,8 +418,8 @@ class _RowHandover(threading.local):
     op execution. They are handed over at the end of the round (whether the model returned or
     raised), and sooner once `MAX_WAITING_SIDES` sides or `MAX_WAITING_SECONDS` have gathered,
     so a long round keeps its rows flowing and what waits stays small (rows hold no tensor
-    data: only their shapes and statistics cells). Each job carries the statistics' landing
-    (device batches still on their way), which the writer waits on before reading them."""
+    data: only their shapes and statistics cells). Each job carries what the writer waits on
+    before reading them: the `Landed` of the device batches still on their way, or None."""
 
     def __init__(self, sink, stats: StatsCache):
         self.sink, self.stats = sink, stats
@@ -446,7 +446,7 @@ class _RowHandover(threading.local):
         if sides:
             size = _ROW_BYTES * sum([side_rows(side) for side in sides])
             self.sink.put(RowsJob(record.rel, CSV_FILE, sides, HEADER, size,
-                                  self.stats.device.landing()))
+                                  self.stats.device.landings.last()))
 
 
 # Under the writer's own delay for rows (writer.ROWS_DELAY): the rows of a layer execution reach

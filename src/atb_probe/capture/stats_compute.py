@@ -26,21 +26,20 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
   (`segment_rows`): a fixed number of kernels per batch; a lone tensor, a larger one and a
   device without `torch.segment_reduce` go tensor by tensor (`device_row`, four operations).
   Every tensor's four numbers end in one device buffer per batch, copied to pinned host memory
-  without blocking. A `DeviceBatch` records an event after the copy. The probe's
-  `DeviceStatistics` holds the batches not yet finished; the rows handed to the writer carry a
-  `Landing` (`DeviceStatistics.landing`) that the writer waits on before it formats them, which
-  finishes every batch begun before those rows were handed over. The model thread never
-  synchronises, and the writer sees only filled cells.
+  without blocking (a `DeviceBatch`). The probe's landing thread (capture/landing.py) waits for
+  the copy and fills the batch's cells; the rows handed to the writer carry a `Landed` that
+  covers every batch begun before them, which the writer waits on before it formats them. The
+  model thread never synchronises, and the writer sees only filled cells.
 """
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import torch
 
-from ..stats_cell import DEVICE, fill, new_serial, pack
+from ..stats_cell import DEVICE, fill, pack
+from .landing import Landings, to_host
 
 _max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
 _isfinite = math.isfinite
@@ -216,8 +215,8 @@ def finish_row(values, n: int) -> tuple:
 
 
 class DeviceStatistics:
-    """The statistics one probe computes on accelerators: its device batches that have not
-    been finished yet, and the device types whose batches go tensor by tensor.
+    """The statistics one probe computes on accelerators: the copies of its batches on their
+    way to the host (`landings`), and the device types whose batches go tensor by tensor.
 
     Each tensor costs a Python call and a device kernel per torch operation: several per tensor
     (`device_row`) add up to most of a small model's decode step on a GPU. So tensors of one
@@ -225,14 +224,13 @@ class DeviceStatistics:
     (`segment_rows`)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._open: dict[int, DeviceBatch] = {}  # serial -> batch, in the order they began
+        self.landings = Landings()
         self.no_segments: set[str] = set()  # device types where `torch.segment_reduce` failed
         self.segment_failure: str | None = None  # the first such failure, for the record
 
     def batch(self, tensors: list, cells: list) -> None:
-        """Queue the statistics of `tensors` (one device) into `cells`: they fill when a
-        `landing` taken after this call is waited on."""
+        """Queue the statistics of `tensors` (one device) into `cells`: the landing thread
+        fills them, and `landings.last()`, taken after this call, waits for that."""
         groups: dict = {}
         for t, cell in zip(tensors, cells):
             groups.setdefault(t.dtype, []).append((t, cell))
@@ -254,12 +252,7 @@ class DeviceStatistics:
                 size += n
             self._add_segments(part, rows, ordered, counts)
         stacked = rows[0] if len(rows) == 1 else torch.cat(rows)
-        with self._lock:  # serials in the order batches enter `_open` (see `finish_until`)
-            batch = DeviceBatch(stacked, ordered, counts)
-            self._open[batch.serial] = batch
-            crowded = len(self._open) > MAX_DEVICE_BATCHES
-        if crowded:
-            self._finish_landed()
+        DeviceBatch(stacked, ordered, counts, self.landings)
 
     def _add_segments(self, part: list, rows: list, cells: list, counts: list) -> None:
         """Append the rows of `part` ((tensor, cell) pairs of one dtype) to `rows`, its cells
@@ -281,99 +274,32 @@ class DeviceStatistics:
         counts.extend(t.numel() for t in tensors)
 
     def after_fork(self) -> None:
-        """In a forked child: a lock another thread held at the fork would stay held."""
-        self._lock = threading.Lock()
-
-    def landing(self) -> Landing | None:
-        """What to wait for before reading the cells handed out so far: None when every batch
-        is finished (always, without accelerators)."""
-        if not self._open:
-            return None
-        with self._lock:
-            last = next(reversed(self._open), None)
-        return None if last is None else Landing(self, last)
-
-    def finish_until(self, serial: int) -> None:
-        """Finish every batch begun up to the one numbered `serial` (waiting for its copy)."""
-        while True:
-            with self._lock:
-                first = next(iter(self._open), None)
-                if first is None or first > serial:
-                    return
-                batch = self._open.pop(first)
-            batch.finish()
-
-    def pending(self) -> int:
-        """How many batches are not finished yet."""
-        return len(self._open)
-
-    def _finish_landed(self) -> None:
-        """Rows that are never formatted (the writer stopped) leave their batches here: finish
-        those whose copy has landed, so what waits stays bounded."""
-        with self._lock:
-            landed = [s for s, b in self._open.items() if b.landed()]
-            done = [self._open.pop(s) for s in landed]
-        for batch in done:
-            batch.finish()
-
-
-class Landing:
-    """Device statistics on their way to rows handed to the writer: `wait` returns once every
-    cell those rows show is filled."""
-
-    __slots__ = ("_device", "_serial")
-
-    def __init__(self, device: DeviceStatistics, serial: int):
-        self._device, self._serial = device, serial
-
-    def wait(self) -> None:
-        self._device.finish_until(self._serial)
+        """In a forked child: the copies on their way are the parent's."""
+        self.landings.after_fork()
 
 
 class DeviceBatch:
     """The statistics rows of one batch on their way from a device to pinned host memory. Its
-    cells say `DEVICE` until `finish` fills them."""
+    cells say `DEVICE` until the landing thread has seen the copy land and `finish` has filled
+    them."""
 
-    def __init__(self, stacked: torch.Tensor, cells: list, counts: list):
+    __slots__ = ("host", "cells", "counts")
+
+    def __init__(self, stacked: torch.Tensor, cells: list, counts: list, landings: Landings):
         if stacked.is_cpu:  # CPU tensors sent this way (tests): nothing to wait for
-            self.host, self.event = stacked, None
+            self.host, event = stacked, None
         else:
-            self.host, self.event = to_host(stacked)
+            self.host, event = to_host(stacked)
         self.cells, self.counts = cells, counts
-        self._lock = threading.Lock()
-        self.serial = serial = new_serial()
         for cell in cells:
-            pack(cell, 0, 0.0, 0.0, 0.0, 0.0, serial, DEVICE)
+            pack(cell, 0, 0.0, 0.0, 0.0, 0.0, 0, DEVICE)
+        landings.watch(event, self.finish)
 
     def finish(self) -> None:
-        """Wait for the copy and fill the cells (once; any thread)."""
-        with self._lock:
-            if self.cells is None:
-                return
-            if self.event is not None:
-                self.event.synchronize()
-            for cell, row, n in zip(self.cells, self.host.tolist(), self.counts):
-                fill(cell, finish_row(row, n))
-            self.cells = self.host = self.event = None
-
-    def landed(self) -> bool:
-        """Whether the copy is done (never waits)."""
-        return self.event is None or self.event.query()
-
-
-# Batches not finished beyond this many: those whose copy landed are finished at once.
-MAX_DEVICE_BATCHES = 4096
-
-
-def to_host(x: torch.Tensor):
-    """A copy of device tensor `x` in pinned host memory, queued on the current stream without
-    waiting, and the event recorded after it: (host tensor, event). Read the host tensor only
-    after `event.synchronize()`."""
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    event = getattr(torch, x.device.type).Event()
-    event.record()
-    return host, event
+        """Fill the cells from the landed copy (the landing thread)."""
+        for cell, row, n in zip(self.cells, self.host.tolist(), self.counts):
+            fill(cell, finish_row(row, n))
+        self.cells = self.host = None
 
 
 def _overflowed(high: float, low: float, total: float, squares: float) -> bool:

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..dtypes import BY_TORCH_NAME, DType
-from .stats_compute import to_host
+from .landing import Landings, to_host
 
 # torch dtype -> its table entry, for every dtype the format holds
 DUMPABLE_DTYPES: dict = {getattr(torch, d.torch_name): d for d in BY_TORCH_NAME.values()
@@ -120,23 +120,10 @@ def _plain(value):
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-class CopyLanding:
-    """A copy to pinned host memory on its way: `wait` returns once it has landed (the
-    writer's side of `host_bytes`)."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self, event):
-        self._event = event
-
-    def wait(self) -> None:
-        self._event.synchronize()
-
-
-def host_bytes(t: torch.Tensor):
+def host_bytes(t: torch.Tensor, landings: Landings):
     """A private host copy of `t`'s bytes, C-contiguous, as a flat uint8 numpy array, and what
-    to wait for before reading it: None, or for a tensor on an accelerator a `CopyLanding` of
-    its copy to pinned memory (queued without blocking the model thread).
+    to wait for before reading it: None, or for a tensor on an accelerator the `Landed` of its
+    copy to pinned memory (queued without blocking the model thread, seen land by `landings`).
 
     Always a copy: the model may change the tensor in place after this returns."""
     x = t.detach()
@@ -147,7 +134,7 @@ def host_bytes(t: torch.Tensor):
     ready = None
     if x.device.type != "cpu":
         x, event = to_host(x if x.is_contiguous() else x.contiguous())
-        ready = CopyLanding(event)
+        ready = landings.watch(event)
     elif x.is_contiguous():
         x = x.clone()
     else:

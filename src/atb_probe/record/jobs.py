@@ -2,9 +2,9 @@
 
 Paths are relative to the dump root, as `layout` builds them. A job is complete when it is
 queued: the writer never asks the capture side for anything, and the only thing it may wait for
-is the job's `ready` (an object with a `wait()` method: the copy of an accelerator tensor, or of
-device statistics, to host memory), after which every byte and cell it holds is final. Pure; no
-torch.
+is the job's `ready` (an object with a `wait()` method, a `Landed`: the copy of an accelerator
+tensor, or of device statistics, to host memory, seen through by the capture side's landing
+thread), after which every byte and cell it holds is final. Pure; no torch.
 """
 from __future__ import annotations
 

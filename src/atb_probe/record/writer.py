@@ -19,13 +19,13 @@ csv rows are batched per file and appended atomically (see `SafeTree.append_line
 A job is a typed record (record/jobs.py) that carries everything the writer needs: a tensor
 file's job holds the Tensor Path cell of the row that names it, and marks it missing when the
 file is skipped, so that row says N/A. The writer imports no torch and calls nothing of the
-capture side; the only thing it waits for is a job's `ready` (accelerator copies).
+capture side; the only thing it waits for is a job's `ready`: a `Landed` of accelerator copies,
+which the capture side's landing thread completes (capture/landing.py).
 
-`Writer` has more methods than we like in a class: they share one lock (`_cond`) and one
-thread, and the lock protocol is easier to check in one place. `_cond` guards what producers
-and the writer thread share: the job queue, the csv batches waiting (`RowBatches`),
-`stats.bytes_queued`, `failed` and closed, the busy and urgent flags and the time of the last
-progress. The other counters of `stats` are written by the writer thread only.
+`_cond` guards what producers and the writer thread share: the job queue, the csv batches
+waiting (`RowBatches`), `stats.bytes_queued`, `failed` and closed, the busy and urgent flags and
+the time of the last progress. The other counters of `stats` are written by the writer thread
+only.
 """
 from __future__ import annotations
 
@@ -138,9 +138,10 @@ class Writer:
     """Writes files and csv rows under a `SafeTree` from a background thread.
 
     More methods than we like in a class: the queue, back-pressure, the csv batches, the free
-    space check and failure all share one condition (`_cond`) and the state it guards, because
-    a producer waiting for room must be woken by whatever frees it: a job written, rows
-    appended, the writer failing or closing. The row batches themselves are `RowBatches`'."""
+    space check and failure share one condition (`_cond`), one thread and the state they guard,
+    because a producer waiting for room must be woken by whatever frees it (a job written, rows
+    appended, the writer failing or closing), and that lock protocol is easier to check in one
+    place. The row batches themselves are `RowBatches`'."""
 
     def __init__(self, tree: SafeTree, queue_bytes: int = DEFAULT_QUEUE_BYTES,
                  min_free: int | None = None, stall_seconds: float | None = None):
