@@ -334,7 +334,7 @@ class Probe:
             "round_open": bool(self.engine and self.engine.dumped_rounds_open),
             "files_skipped": stats.files_skipped,
             "last_error": stats.last_error or self.last_error,
-            "compile_problem": self.engine.compiled.problem if self.engine else None,
+            "compile_problem": self.engine.compile_notice.problem if self.engine else None,
             "config": self.config_path,
             "config_in_effect": _config_doc(config),
             "config_applied_at": self.config_applied_at,

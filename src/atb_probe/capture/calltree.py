@@ -82,7 +82,7 @@ class Engine:
         self.recorder = Recorder(sink)
         self.models = ModelCatalog()
         self._unmatched_warned: set = set()
-        self.compiled = CompileNotice()
+        self.compile_notice = CompileNotice()
         self.steps = Steps(self)
         self.ops = OpWalker(self)
         self.vllm = VllmSteps(self)
@@ -272,7 +272,7 @@ class Engine:
             rnd.main = info.holds_blocks
             rnd.phase = phase or phase_of(info.params, args, kwargs)
             if model.compiled or _dynamo_compiled():
-                self.compiled.say()
+                self.compile_notice.say()
         return rnd
 
     def end_round(self, rnd: RoundRun) -> None:

@@ -179,7 +179,7 @@ class VllmSteps:
             if not switch.on():
                 no_switch(engine, runner)
             elif compiled(runner):
-                engine.compiled.say(EAGER_MESSAGE)
+                engine.compile_notice.say(EAGER_MESSAGE)
             try:
                 return original(runner, *args, **kwargs)
             finally:
@@ -286,7 +286,7 @@ def no_switch(engine, runner) -> None:
     """A dumped step of a compiled model that the probe cannot run eagerly: say so, once, on
     stderr and in the status file (`compile_problem`)."""
     if compiled(runner):
-        engine.compiled.cannot_run_eagerly(NO_SWITCH.format(runner=type(runner).__name__))
+        engine.compile_notice.cannot_run_eagerly(NO_SWITCH.format(runner=type(runner).__name__))
 
 
 def step_phase(runner, scheduler_output) -> Phase | None:
