@@ -538,8 +538,9 @@ def _lookup(layer, key, t):
     An entry is valid while the tensor it was written from is alive (so its memory cannot have
     been reused) and no in-place kernel has written to its storage since: every ATen op inside a
     tracked layer passes the kernel capture, which drops the entries of the storages an op
-    writes to (`Recorder.forget_written`). Version counters cannot serve here: inference tensors have
-    none, and a view made by a kernel gets its base's counter only after the dispatch returns."""
+    writes to (`Recorder.forget_written`). Version counters cannot serve here: inference tensors
+    have none, and a view made by a kernel gets its base's counter only after the dispatch
+    returns."""
     if layer is None:
         return None
     entry = layer.written.get(key)
