@@ -71,6 +71,27 @@ def test_compiled_model_is_named_and_pathed_as_the_model_it_wraps(tmp_path):
         ("Linear_0", "0"), ("ReLU_1", "1"), ("Linear_2", "2")]
 
 
+def test_a_module_called_eagerly_and_compiled_is_one_model(tmp_path):
+    """The same module called as it is and through its `torch.compile` wrapper: one model, one
+    name, one model file listing both rounds, and the same layer-level ops in each."""
+    eager = mlp()
+    compiled = torch.compile(eager, backend=CountingBackend())
+    x = torch.randn(2, 4)
+
+    @torch.no_grad()
+    def both():
+        eager(x)
+        compiled(x)
+
+    root = dump(tmp_path, config(task="statistics"), both)
+    files = list((root / "info" / "model").rglob("*.json"))
+    assert [p.name for p in files] == ["Sequential_Forward.json"]
+    assert json.loads(files[0].read_text())["rounds"] == [[0, 1]]
+    proc = only_proc(root)
+    ops = [[r["Op Name"] for r in read_csv(proc / i / "statistic.csv")] for i in ("0", "1")]
+    assert ops[0] == ops[1] and ops[0][::2] == ["Linear", "ReLU", "Linear"]
+
+
 def test_a_dumped_round_of_compiled_code_writes_the_values_eager_execution_gives(tmp_path):
     """The modules and kernels inside the compiled region are dumped with the values the eager
     model computes, and the compiled model's results are the eager ones in dumped rounds and

@@ -94,18 +94,24 @@ class ModelCatalog:
         return info
 
     def model(self, root) -> Model:
-        """The `Model` of a root module instance, named and walked the first time it is seen."""
-        model = self._models.get(root)
+        """The `Model` of a root module instance, named and walked the first time it is seen.
+        A `torch.compile` wrapper is the model it wraps: called eagerly and compiled, one module
+        is one model, with one name and one model file."""
+        key = uncompiled(root)
+        model = self._models.get(key)
         if model is None:
             with self._lock:
-                model = self._models.get(root)
+                model = self._models.get(key)
                 if model is None:
-                    model = self._new_model(root)
+                    model = self._new_model(root, key)
+        elif key is not root:
+            model.compiled = True
         return model
 
-    def _new_model(self, root) -> Model:
-        """(Holding `_lock`.) Name a new root and mark the elements of its block lists."""
-        cls = sanitize(type(uncompiled(root)).__name__)
+    def _new_model(self, root, key: nn.Module) -> Model:
+        """(Holding `_lock`.) Name a new root (`key`: the module it is, compiled or not) and
+        mark the elements of its block lists."""
+        cls = sanitize(type(key).__name__)
         count = self._model_counts.get(cls, 0)
         self._model_counts[cls] = count + 1
         model = Model(cls if count == 0 else f"{cls}_{count}", not self._models, root)
@@ -114,8 +120,9 @@ class ModelCatalog:
                 for element in m._modules.values():
                     if element is not None:
                         self.info(element).element = True
-        self._models[root] = model
+        self._models[key] = model
         return model
+
 
 # Cache arguments, attention KV caches first, then state-space models' (Mamba's `cache_params`,
 # `inference_params` of mamba_ssm).

@@ -273,7 +273,6 @@ class _EagerSwitch:
         self.context = None
 
 
-
 def compiled(runner) -> bool:
     """Whether the runner's model runs compiled code (or replays CUDA graphs)."""
     config = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
