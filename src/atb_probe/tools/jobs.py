@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from multiprocessing import get_context
 
 _PRELOAD = ["atb_probe.tools.compare", "atb_probe.tools.scan"]
+_BLAS_THREADS = "OPENBLAS_NUM_THREADS"
 
 
 def default_jobs() -> int:
@@ -41,8 +42,25 @@ def worker_pool(jobs: int):
         context.set_forkserver_preload(_PRELOAD)
     except ValueError:          # no fork server on this platform
         context = get_context("spawn")
-    with _main_file_set_aside(), ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+    with _main_file_set_aside(), _one_blas_thread_each(), \
+            ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
         yield pool
+
+
+@contextmanager
+def _one_blas_thread_each():
+    """The jobs are the parallelism: each worker's BLAS gets one thread (unless the user's
+    environment says otherwise), or the workers' dot products spread over threads that wait for
+    cores the other workers hold. Set in the environment the fork server (and so every worker)
+    starts with, and only for the duration."""
+    had = os.environ.get(_BLAS_THREADS)
+    if had is None:
+        os.environ[_BLAS_THREADS] = "1"
+    try:
+        yield
+    finally:
+        if had is None:
+            os.environ.pop(_BLAS_THREADS, None)
 
 
 @contextmanager
