@@ -91,15 +91,15 @@ def test_disk_filled_by_another_writer_at_any_point_is_handled(mount_fs, monkeyp
     monkeypatch.setenv("ATB_PROBE_MIN_FREE_BYTES", "0")
     fs = mount_fs("tmpfs", "size=16m")
 
-    def fill():
-        with open(fs.path / "ballast", "wb") as f:
-            block = b"\xff" * 65536
-            try:
+    def fill():  # until the disk is full (the probe may have filled it already: no file then)
+        block = b"\xff" * 65536
+        try:
+            with open(fs.path / "ballast", "wb") as f:
                 while True:
                     f.write(block)
                     f.flush()
-            except OSError:
-                pass
+        except OSError:
+            pass
 
     same, fired = dump_while(fs.path, fill)
     assert same and fired
