@@ -321,6 +321,22 @@ def test_device_batches_are_filled_by_the_landing_thread_whoever_waits():
                    30, "the idle landing thread to end")
 
 
+def test_a_copy_numbered_before_it_is_queued_is_waited_for_and_lands_in_order():
+    """A device batch takes its number before its cells say DEVICE, so another thread that sees
+    such a cell and hands its rows over waits for it (`last()` covers it) even before the copy
+    is queued; copies land in the order of their numbers, not of their queueing."""
+    landings = Landings()
+    landed = []
+    first = landings.reserve()
+    covering = landings.last()
+    assert covering is not None
+    later = landings.watch(None, lambda: landed.append("later"))
+    landings.watch(None, lambda: landed.append("first"), first)
+    covering.wait()
+    later.wait()
+    assert landed == ["first", "later"]
+
+
 def test_a_copy_that_fails_to_land_fails_every_wait_from_then_on(tmp_path, capfd):
     """A copy whose follow-up raises (a device error) is not taken for landed data: waiting for
     it, or for anything queued after it, raises that error, which the writer reports; what

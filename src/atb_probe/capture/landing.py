@@ -13,7 +13,6 @@ Without an accelerator nothing is queued here and no thread starts.
 from __future__ import annotations
 
 import threading
-from collections import deque
 
 import torch
 
@@ -55,20 +54,29 @@ class Landings:
 
     def _begin(self) -> None:
         self._cond = threading.Condition()
-        self._queue: deque = deque()  # (number, event or None, what follows it or None)
-        self._queued = 0              # copies queued so far
+        self._waiting: dict = {}      # number -> (event or None, what follows it or None)
+        self._queued = 0              # copies numbered so far (`reserve`)
         self._landed = 0              # copies landed and followed up so far
         self._thread: threading.Thread | None = None
         self.failure: Exception | None = None  # the first copy that failed
         self._failed_at = 0                    # its number (0: none failed)
 
-    def watch(self, event, then=None) -> Landed:
-        """Queue a copy whose `event` (None: nothing to wait for) completes it; `then()` runs
-        on the landing thread once it has. The model thread's side: never waits."""
+    def reserve(self) -> int:
+        """The number of a copy about to be queued. Take it before anything another thread
+        may see points at the copy (a `DEVICE` cell), so that `last()` covers it from then on."""
         with self._cond:
             self._queued += 1
-            number = self._queued
-            self._queue.append((number, event, then))
+            return self._queued
+
+    def watch(self, event, then=None, number: int | None = None) -> Landed:
+        """Queue a copy whose `event` (None: nothing to wait for) completes it, as `number`
+        (from `reserve`) or the next number; `then()` runs on the landing thread once it has.
+        The model thread's side: never waits."""
+        with self._cond:
+            if number is None:
+                self._queued += 1
+                number = self._queued
+            self._waiting[number] = (event, then)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="atb-probe-landing",
                                                 daemon=True)
@@ -107,12 +115,15 @@ class Landings:
         cond = self._cond
         while True:
             with cond:
-                if not self._queue:
-                    cond.wait(IDLE_SECONDS)
-                if not self._queue:
-                    self._thread = None
-                    return
-                number, event, then = self._queue.popleft()
+                number = self._landed + 1  # copies land in the order of their numbers
+                while number not in self._waiting:
+                    if self._queued >= number:
+                        cond.wait()  # numbered, and being queued right now
+                    elif not cond.wait(IDLE_SECONDS) and number not in self._waiting \
+                            and self._queued < number:
+                        self._thread = None
+                        return
+                event, then = self._waiting.pop(number)
             try:
                 if event is not None:
                     event.synchronize()

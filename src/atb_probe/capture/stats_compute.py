@@ -1,7 +1,7 @@
 """Max, min, mean and L2 norm of many tensors at once, without waiting on an accelerator.
 
 The recorder collects the tensors of a layer-level op execution and asks for their statistics
-in one `compute` call (see `StatsCache.resolve`). Each result goes into a cell (stats_cell.py)
+in one `compute` call (see `Queue.resolve` in stats_reuse.py). Each result goes into a cell (stats_cell.py)
 that the statistic.csv rows point to; the rows are formatted on the writer thread, which is the
 only reader of the values.
 
@@ -291,9 +291,10 @@ class DeviceBatch:
         else:
             self.host, event = to_host(stacked)
         self.cells, self.counts = cells, counts
+        number = landings.reserve()  # first: a thread that sees a DEVICE cell waits for it
         for cell in cells:
             pack(cell, 0, 0.0, 0.0, 0.0, 0.0, 0, DEVICE)
-        landings.watch(event, self.finish)
+        landings.watch(event, self.finish, number)
 
     def finish(self) -> None:
         """Fill the cells from the landed copy (the landing thread)."""
