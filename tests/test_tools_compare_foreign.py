@@ -175,3 +175,19 @@ def test_the_csv_of_a_foreign_tree_is_its_index(trees):
         rows = list(csv.DictReader(f))
     assert [t.row for t in rnd.tensors] == rows
     assert all(t.path and Path(t.path).is_file() and str(golden) in t.path for t in rnd.tensors)
+
+
+def test_a_row_whose_side_is_another_word_is_kept_with_its_file(trees, tmp_path):
+    """A foreign tool's row whose Input/Output cell says neither `input` nor `output` (here
+    `Input`) is still a tensor of the round: kept with that word, and with its file when its
+    Tensor Path names one; only the layout's own guess of a path needs a side."""
+    golden, _ = trees
+    rnd = open_dump(str(golden)).rounds[0]
+    text = Path(rnd.csv_path).read_text()
+    lines = text.splitlines()
+    lines[1] = lines[1].replace(",input,", ",Input,", 1)
+    Path(rnd.csv_path).write_text("\n".join(lines) + "\n")
+    tensors = open_dump(str(golden)).rounds[0].tensors
+    assert len(tensors) == len(lines) - 1
+    odd = tensors[0]
+    assert odd.io == "Input" and odd.path and Path(odd.path).is_file()

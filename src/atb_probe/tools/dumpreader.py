@@ -50,7 +50,7 @@ class TensorRecord:
     round: "Round"
     op_id: str               # `2_1_0`
     op_name: str             # `LlamaDecoderLayer/LlamaAttention/Linear`
-    io: Side
+    io: Side | str           # a Side; the cell as written when it names neither side
     index: str               # `0`, `0_hidden_states`
     dtype: str               # csv name: float, bf16, int64...
     shape: str               # the Shape cell: `1x4x32`
@@ -220,17 +220,18 @@ class Round:
                     continue  # the line a killed writer left half-written, as msprobe skips it
                 row = dict(zip(names, cells))
                 ids, ops = row["Op Id"].split("_"), row["Op Name"].split("/")
-                side = layout.parse_side(row["Input/Output"])
-                if len(ids) != len(ops) or side is None:
+                if len(ids) != len(ops):
                     continue
+                side = layout.parse_side(row["Input/Output"])  # None: another tool's word
                 records.append(TensorRecord(
-                    round=self, op_id=row["Op Id"], op_name=row["Op Name"], io=side,
+                    round=self, op_id=row["Op Id"], op_name=row["Op Name"],
+                    io=side or row["Input/Output"],
                     index=row["Index"], dtype=row["Dtype"], shape=row["Shape"],
                     stats=parse_stats(row), path=self._locate(row, side), order=len(records),
                     row=row))
         return records
 
-    def _locate(self, row: dict, side: Side) -> str | None:
+    def _locate(self, row: dict, side: Side | None) -> str | None:
         """The .bin of a row: its Tensor Path re-rooted at this round (the tree may have moved,
         as msprobe assumes), else the path as written, else the path the layout gives."""
         written = row.get("Tensor Path", NA)
@@ -242,6 +243,8 @@ class Round:
                     return candidate
             if os.path.isfile(written):
                 return written
+        if side is None:
+            return None
         candidate = layout.tensor_rel(
             os.path.join(self.path, layout.op_path(row["Op Id"], row["Op Name"])), side,
             row["Index"])
@@ -300,7 +303,7 @@ def op_folders(folder: str) -> list[OpFolder]:
 
 def _tensor_files(op_folder: str, io: Side) -> list[tuple[str, str]]:
     """(index, path) of the tensor files of one side of an op, in index order."""
-    folder = os.path.join(op_folder, layout.side_dir(io))
+    folder = layout.tensor_dir(op_folder, io)
     try:
         names = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
