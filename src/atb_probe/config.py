@@ -7,25 +7,23 @@ not world-writable. Nothing here raises on bad input.
 """
 from __future__ import annotations
 
-import enum
 import json
 import os
 import re
 import stat
 from dataclasses import dataclass, field
 
+from .enums import StrEnum
+
 MAX_CONFIG_BYTES = 1024 * 1024
 
 
-class Task(str, enum.Enum):
+class Task(StrEnum):
     """What a dump writes: tensor files, statistics, or both. Its text is its value."""
 
     TENSOR = "tensor"
     STATISTICS = "statistics"
     ALL = "all"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 TASKS = tuple(task.value for task in Task)

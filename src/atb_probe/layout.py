@@ -29,10 +29,10 @@ anything that does.
 """
 from __future__ import annotations
 
-import enum
 import os
 import re
 
+from .enums import StrEnum
 from .statcsv import FILE_NAME as CSV_FILE
 
 DUMP_DIR = "atb_dump_data"
@@ -43,15 +43,12 @@ OP_PARAM = "op_param.json"
 INFO_KINDS = ("layer", "model")
 
 
-class Side(str, enum.Enum):
+class Side(StrEnum):
     """The side of an op a tensor is on: the two values of statistic.csv's Input/Output column,
     which the functions below take as `io`."""
 
     INPUT = "input"
     OUTPUT = "output"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 # The same two words as plain str: the recorder's side records hold these, because a tuple of
@@ -60,7 +57,6 @@ INPUT, OUTPUT = Side.INPUT.value, Side.OUTPUT.value
 _SIDE_DIR = {INPUT: "before", OUTPUT: "after"}
 _FILE_PREFIX = {INPUT: "intensor", OUTPUT: "outtensor"}
 _IO_OF_PREFIX = {"intensor": INPUT, "outtensor": OUTPUT}
-SIDE_DIRS = tuple(_SIDE_DIR.values())        # ("before", "after")
 _SIDES = {side.value: side for side in Side}
 
 _DEVPID = re.compile(r"^(\d+)_(\d+)$")

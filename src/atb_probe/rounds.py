@@ -10,14 +10,14 @@ file, process hooks). Pure; no torch.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+from .enums import StrEnum
 from .selection import Selection
 
 
-class Phase(str, enum.Enum):
+class Phase(StrEnum):
     """A round's phase (SPEC §5, model file names): the first call of a generation
     (`Prefill`, no KV cache yet), a later one (`Decoder`), or a model without a cache
     argument (`Forward`). Its text is its value, in files and messages alike."""
@@ -25,9 +25,6 @@ class Phase(str, enum.Enum):
     PREFILL = "Prefill"
     DECODER = "Decoder"
     FORWARD = "Forward"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,7 @@
 """The command line's subcommands, one module each, and what they share."""
 from __future__ import annotations
 
-import enum
-
-
-class StrEnum(str, enum.Enum):
-    """A closed set of strings (Python 3.11's `enum.StrEnum`, for 3.10): a member compares, hashes
-    and prints as its text, so it goes into output as it is."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
+from ..enums import StrEnum  # noqa: F401  (the tools' modules import it from here)
 
 
 def size_text(n) -> str:
