@@ -42,7 +42,7 @@ from .vllm import VllmSteps
 _CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
 
 
-_UNSEEN, _CONTAINER, _TRACK = Below.UNSEEN, Below.CONTAINER, Below.TRACK
+_UNSEEN, _CONTAINER = Below.UNSEEN, Below.CONTAINER
 
 
 class _ThreadState(threading.local):
@@ -174,6 +174,8 @@ class Engine:
         self._lock = threading.Lock()
         self.active_rounds = 0
         self.dumped_rounds_open = 0
+        if self.sleep_requested:  # waiting for rounds that ran in other threads: none here
+            self._restore()
         self.models.after_fork()
         self.recorder.after_fork()
 
@@ -307,6 +309,7 @@ class Engine:
                if rnd.layer_count else "no layer-level op")
         log.warn(f"{' and '.join(keys)} matched no op in round {rnd.index} of "
                  f"{rnd.model.name}, so nothing was written for it; that round had {had}")
+
 
 class Steps:
     """The engine steps of one `Engine` (SPEC §8): while a thread is in a step, its root calls

@@ -138,7 +138,7 @@ class SafeTree:
         dfd = self.ensure_dir(rel_dir)
         try:
             return self._replace(dfd, name, lambda fd: self._write_all(fd, chunks),
-                                 os.path.join(self.path(rel_dir), name))
+                                 self.path(rel_dir, name))
         finally:
             os.close(dfd)
 
@@ -171,7 +171,7 @@ class SafeTree:
                         return self._write_all(fd, [header, text])
                     _copy(old, fd)
                     return self._write_all(fd, [text])
-                return self._replace(dfd, name, fill, os.path.join(self.path(rel_dir), name))
+                return self._replace(dfd, name, fill, self.path(rel_dir, name))
             finally:
                 if old is not None:
                     os.close(old)

@@ -51,8 +51,8 @@ def worker_pool(jobs: int):
 def _one_blas_thread_each():
     """The jobs are the parallelism: each worker's BLAS gets one thread (unless the user's
     environment says otherwise), or the workers' dot products spread over threads that wait for
-    cores the other workers hold. Set in the environment the fork server (and so every worker)
-    starts with, and only for the duration."""
+    cores the other workers hold. Set in the environment while the pool starts: the fork server
+    (started once per process, at the first pool) and so every later worker keep it."""
     had = os.environ.get(_BLAS_THREADS)
     if had is None:
         os.environ[_BLAS_THREADS] = "1"

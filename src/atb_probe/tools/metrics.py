@@ -66,11 +66,6 @@ class StatsDiff:
     norm_rel_pct: float | None = None
 
 
-def as_float(array: np.ndarray) -> np.ndarray:
-    """A flat float64 copy of a dumped array (complex as interleaved real/imag parts)."""
-    return np.asarray(_flat(array), dtype=np.float64)
-
-
 def _flat(array: np.ndarray) -> np.ndarray:
     """The array flattened without a copy where possible; complex as real/imag parts."""
     if np.iscomplexobj(array):
@@ -252,11 +247,6 @@ def _cosine(golden_squares: float, target_squares: float, dot: float) -> float |
     if golden_norm <= eps or target_norm <= eps:
         return None
     return min(1.0, max(-1.0, dot / (golden_norm * target_norm)))
-
-
-def cosine(g: np.ndarray, t: np.ndarray) -> float | None:
-    """Cosine similarity of two flat float64 arrays (1.0 for two zero vectors)."""
-    return _cosine(_dot(g, g), _dot(t, t), _dot(g, t))
 
 
 def array_stats(array: np.ndarray) -> Stats | None:
