@@ -44,9 +44,17 @@ class Kernel(NamedTuple):
     written: tuple[str, ...]    # names of the arguments it writes in place
     allocates: bool             # an allocation kernel: its output holds nothing yet
     collective: bool            # a collective: its outputs are complete only once it is
+    factory: bool               # a factory function: keep no reference to its output (below)
 
 
 _COLLECTIVES = ("c10d.", "_c10d_functional.")
+# A factory function (`torch.arange`, `torch.zeros`, `torch.empty_like`...) is one that takes
+# tensor options, as PyTorch's code generator defines it. Its C++ entry point hands the kernel's
+# result to autograd's `make_variable`, which keeps that tensor only when nothing else holds a
+# reference to it; otherwise it makes a shallow copy, and under a dispatch mode that copy is an
+# `aten.detach` the mode sees. So while a mode is pushed, a reference kept to a factory's
+# output past the kernel adds a kernel to the model's run: the recorder keeps none.
+_TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
 
 
 @lru_cache(maxsize=4096)
@@ -64,4 +72,5 @@ def kernel_info(func) -> Kernel:
     except Exception:
         names, written = (), ()
     return Kernel(op_name, kernel_name(op_name), (names, None, names), written,
-                  op_name in ALLOCATION_OPS, op_name.startswith(_COLLECTIVES))
+                  op_name in ALLOCATION_OPS, op_name.startswith(_COLLECTIVES),
+                  _TENSOR_OPTIONS.issubset(names))

@@ -130,7 +130,7 @@ class OpWalker:
         frame = None
         allocates = False
         try:
-            op_name, name, params, written, allocates, collective = kernel_info(func)
+            op_name, name, params, written, allocates, collective, factory = kernel_info(func)
             index = top.children
             top.children += 1
             op_id = f"{top.op_id}_{index}"
@@ -149,7 +149,7 @@ class OpWalker:
                 pairs = bind_args(params, args, kwargs)
                 if record:
                     frame.record = self.recorder.kernel_inputs(rnd, frame, op_name, pairs,
-                                                               bool(written))
+                                                               bool(written), factory)
                 if written:
                     self.recorder.forget_written(frame.layer, pairs, written)
         except Exception as exc:

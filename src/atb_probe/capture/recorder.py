@@ -50,14 +50,16 @@ MAX_PENDING_BYTES = 64 * 1024 ** 2
 class OpRecord:
     """What the recorder keeps of one op execution while it runs."""
 
-    __slots__ = ("inputs", "outputs", "param", "nodes", "writes_args", "inputs_seen", "shards")
+    __slots__ = ("inputs", "outputs", "param", "nodes", "writes_args", "factory", "inputs_seen",
+                 "shards")
 
-    def __init__(self, writes_args: bool = False):
+    def __init__(self, writes_args: bool = False, factory: bool = False):
         self.inputs = 0               # number of input tensors (for structure files)
         self.outputs = 0
         self.param = None             # op_param.json content, once known
         self.nodes = None             # structure of the children, when collected
         self.writes_args = writes_args  # kernels: writes to its arguments (values change)
+        self.factory = factory        # kernels: a factory function (capture/kernels.py)
         self.inputs_seen = None       # kernels: what the inputs' statistics leave the outputs
         self.shards = None            # DTensor layouts by file name, for op_param.json
 
@@ -217,9 +219,10 @@ class Recorder:
 
     # -- kernels ----------------------------------------------------------------------------
 
-    def kernel_inputs(self, rnd, frame, op_name: str, pairs, writes_args: bool) -> OpRecord:
+    def kernel_inputs(self, rnd, frame, op_name: str, pairs, writes_args: bool,
+                      factory: bool = False) -> OpRecord:
         """A kernel begins: its input side recorded; returns its `OpRecord`."""
-        record = OpRecord(writes_args)
+        record = OpRecord(writes_args, factory)
         items = []
         # op_param.json (tensor tasks) and the structure files describe the kernel's arguments;
         # otherwise only its tensors matter.
@@ -326,7 +329,10 @@ class Recorder:
                 _skipped(t, frame)
         layer = frame.layer
         if cfg.wants_statistics or (kernel and cfg.save_child and cfg.filter_level >= 2):
-            queue = self._queue(layer)
+            # A factory's outputs are not kept for later: their statistics are computed now,
+            # in a queue of their own (see `Kernel.factory`).
+            at_once = kernel and side == OUTPUT and record.factory
+            queue = self.stats.new_queue() if at_once else self._queue(layer)
             if not kernel:
                 stats, _ = self.stats.side(queue, tensors)
             elif side == INPUT:
@@ -336,7 +342,8 @@ class Recorder:
                 stats, _ = self.stats.side(queue, tensors, kernel_output=True,
                                            inputs_seen=record.inputs_seen)
             # Deferred only where every in-place kernel is seen (see forget_written).
-            if layer is None or not layer.deferred or queue.nbytes > MAX_PENDING_BYTES:
+            if at_once or layer is None or not layer.deferred or \
+                    queue.nbytes > MAX_PENDING_BYTES:
                 queue.resolve()
         else:
             stats = [None] * len(dumpable)
