@@ -246,6 +246,23 @@ def test_speculative_decoding_models_keep_their_own_structure_files(tmp_path):
     assert "LlamaDecoderLayer_2.json" in decoder_files
 
 
+def tiny_mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+    torch.manual_seed(0)
+    return MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, state_size=4,
+                                        num_hidden_layers=2, expand=2, conv_kernel=4)).eval()
+
+
+def test_state_space_rounds_after_the_prompt_are_decoder_rounds(tmp_path):
+    """Mamba's cache holds no tokens to count, only states: the rounds whose cache already
+    holds state from earlier tokens are `Decoder`, the prompt's is `Prefill`."""
+    model = tiny_mamba()
+    root = _statistics_dump(tmp_path, lambda: generate(model, 6, 4))
+    files = _model_files(root)
+    assert files["MambaForCausalLM_Prefill"]["rounds"] == [[0, 0]]
+    assert files["MambaForCausalLM_Decoder"]["rounds"] == [[1, 3]]
+
+
 def test_model_file_lists_its_rounds(tmp_path):
     model = tiny_llama()
     root = dump(tmp_path, config(task="statistics", exec_range="0,1,3,5"),

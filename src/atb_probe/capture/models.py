@@ -131,7 +131,8 @@ _CACHE_PARAMS = ("past_key_values", "past_key_value", "kv_cache", "cache", "laye
 
 
 def phase_of(params: tuple, args: tuple, kwargs: dict) -> Phase:
-    """Prefill, Decoder (a KV cache with content came in) or Forward (no cache argument)."""
+    """Prefill, Decoder (a cache that already holds state came in) or Forward (no cache
+    argument)."""
     positional, _, ordered = params
     name = next((n for n in _CACHE_PARAMS if n in ordered), None)
     if name is None:
@@ -145,19 +146,35 @@ def phase_of(params: tuple, args: tuple, kwargs: dict) -> Phase:
     return Phase.DECODER if _has_content(value) else Phase.PREFILL
 
 
+# What a cache object says of its content, asked in this order; the first that answers decides:
+# the tokens an attention cache holds (transformers' `Cache.get_seq_length`, which raises for a
+# cache of state-space layers only), whether state-space layers hold state from earlier tokens
+# (`has_previous_state`: a method of transformers' `Cache`, a flag of older hybrid caches), the
+# tokens a mamba_ssm `InferenceParams` has seen. The values in a cache's tensors are no signal:
+# a state may hold zeros, and a preallocated cache holds memory before it holds tokens.
+_CONTENT_SIGNALS = ("get_seq_length", "has_previous_state", "seqlen_offset")
+
+
 def _has_content(cache) -> bool:
+    """Whether `cache` holds state from earlier tokens (see `_CONTENT_SIGNALS`). A cache that
+    offers a signal but answers none (no layers yet) is empty; an object that offers none is
+    taken to hold state, tensors and sequences of them hold state when not empty."""
     if cache is None:
         return False
-    length = getattr(cache, "get_seq_length", None)
-    if callable(length):
-        try:
-            return int(length()) > 0
-        except Exception:
-            return False
-    for name in ("seqlen_offset", "has_previous_state"):  # older Mamba caches, mamba_ssm
+    offered = False
+    for name in _CONTENT_SIGNALS:
         value = getattr(cache, name, None)
-        if isinstance(value, (int, bool)):
-            return bool(value)
+        if value is None:
+            continue
+        offered = True
+        try:
+            value = value() if callable(value) else value
+            if isinstance(value, (int, bool)):
+                return value > 0
+        except Exception:  # no layer of the kind this signal asks (transformers' Cache raises)
+            continue
+    if offered:
+        return False
     if isinstance(cache, torch.Tensor):
         return cache.numel() > 0
     if isinstance(cache, (tuple, list)):
