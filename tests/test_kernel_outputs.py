@@ -133,3 +133,19 @@ def test_compare_never_reports_uninitialized_memory(poisoned, tmp_path):
     result = compare_dumps(str(golden / "atb_dump_data"), str(poisoned.parent.parent.parent))
     assert result.finding is None
     assert not any(r.target.data_name.endswith("EmptyLikeKernel/output.0") for r in result.rows)
+
+
+class WritesAColumn(nn.Module):
+    def forward(self, x):
+        x = x.clone()
+        x[..., 0] = 5.0  # select: a (1, 1) view with strides (4, 4), then fill_ through it
+        return x
+
+
+def test_a_one_element_view_with_a_long_stride_is_written_whole(tmp_path, capfd):
+    root = dump(tmp_path, config(task="tensor", save_child=True),
+                lambda: Root(WritesAColumn())(torch.zeros(1, 1, 4)))
+    assert "internal error" not in capfd.readouterr().err
+    layer = only_proc(root) / "0" / "0_WritesAColumn"
+    [fill] = [p for p in layer.iterdir() if p.name.endswith("Kernel") and "Fill" in p.name]
+    assert torch.equal(load(fill / "after" / "outtensor0.bin"), torch.full((1, 1), 5.0))

@@ -135,10 +135,11 @@ def host_bytes(t: torch.Tensor, landings: Landings):
     if x.device.type != "cpu":
         x, event = to_host(x if x.is_contiguous() else x.contiguous())
         ready = landings.watch(event)
-    elif x.is_contiguous():
-        x = x.clone()
     else:
-        x = x.contiguous()
+        # In C order whatever its strides: `clone()` keeps those of a tensor counted as
+        # contiguous, and a dimension of size 1 may have any stride (`x[..., 0]` of a row).
+        x = x.clone(memory_format=torch.contiguous_format) if x.is_contiguous() else \
+            x.contiguous()
     return x.reshape(-1).view(torch.uint8).numpy(), ready
 
 
