@@ -175,3 +175,122 @@ def test_compare_marks_the_scan_findings_in_its_report(healthy, overflow, tmp_pa
     report = (tmp_path / "atb_compare_report.html").read_text()
     assert "NaN/Inf and overflow" in report and f"first Inf: round 0, {OVERFLOW_MM}" in report
     assert "class='bad nf'" in report or "class='nf'" in report
+
+
+# -- NaN/Inf that never reaches a layer-level op's output -------------------------------------
+
+def t5_dump(tmp_path_factory, name, task="statistics", hook=None, **cfg):
+    """A tiny T5's `generate` (encoder, decoder prompt, one decode step: rounds 0-2), with
+    `hook` a forward hook on the decoder's first block (layer-level op 2 of rounds 1 and 2)."""
+    from test_families import tiny_t5
+    model = tiny_t5()
+    if hook is not None:
+        model.decoder.block[0].register_forward_hook(hook)
+    prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    tmp = tmp_path_factory.mktemp(name)
+    settings = dict(task=task, save_child=True, exec_range="all")
+    settings.update(cfg)
+    with torch.no_grad():
+        dump(tmp, config(**settings),
+             lambda: model.generate(prompt, max_new_tokens=2, do_sample=False))
+    return tmp
+
+
+def overflow_hook(module, args, out):
+    """The block's hidden states times 1e60: +-inf from finite values, in its output."""
+    return (out[0] * 1e30 * 1e30,) + tuple(out[1:])
+
+
+T5_LOG = "2_T5Block/0_T5LayerSelfAttention/1_T5Attention/23_LogKernel"
+
+
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory):
+    return t5_dump(tmp_path_factory, "t5")
+
+
+@pytest.fixture(scope="module")
+def t5_inf(tmp_path_factory):
+    return t5_dump(tmp_path_factory, "t5_inf", hook=overflow_hook)
+
+
+def test_t5s_log_of_zero_is_contained_not_a_finding(t5):
+    """The relative-position bucket takes log(0) = -inf and drops it with `where`: the first
+    block's output is finite, so the -inf is listed as contained."""
+    results = scan_dump(str(t5))
+    assert [r.round_index for r in results] == [0, 1, 2]
+    for r in results:
+        assert r.first is None and r.non_finite_ops == 0
+        [held] = r.contained
+        assert (held.layer, held.kind) == ("2_T5Block", "-Inf")
+        assert held.op_path.startswith("2_T5Block/0_T5LayerSelfAttention/1_T5Attention/")
+        assert held.op_path.endswith("_LogKernel") and held.ops >= 1
+    assert results[0].contained[0].op_path == T5_LOG
+
+
+def test_cli_exits_0_on_t5_and_lists_the_contained_inf(t5, tmp_path, capsys):
+    report = tmp_path / "scan.json"
+    assert cli.main(["scan", str(t5), "--json", str(report), "-j", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "no NaN/Inf in any output" in out
+    assert f"-Inf from {T5_LOG} (output.0)" in out and "never reaches the output of 2_T5Block" \
+        in out
+    doc = json.loads(report.read_text())
+    assert doc["non_finite"] is False and doc["contained"] == 3
+    assert doc["rounds"][0]["contained"][0]["op_path"] == T5_LOG
+
+
+def test_an_inf_reaching_a_layer_output_is_the_finding_beside_a_contained_one(t5_inf, capsys):
+    """The decoder's first block holds both: the -inf of its position bucket (dropped) and
+    the overflow its hook adds to its output (the finding, named in that block)."""
+    results = scan_dump(str(t5_inf))
+    assert results[0].first is None             # the encoder: untouched
+    for r in results[1:]:
+        f = r.first
+        assert f is not None and f.kind == "Inf" and f.layer == "2_T5Block"
+        assert f.op_path.startswith("2_T5Block/") and f.op_path.endswith("_MulTensorKernel")
+        assert f.inputs_finite is True
+        assert [c.layer for c in r.contained] == ["2_T5Block"]
+        assert r.contained[0].op_path.endswith("_LogKernel")
+    assert cli.main(["scan", str(t5_inf), "-j", "1"]) == 1
+    assert "first Inf: round 1, 2_T5Block/" in capsys.readouterr().out
+
+
+def test_without_statistics_the_data_tells_the_same(tmp_path_factory):
+    root = t5_dump(tmp_path_factory, "t5_tensor", task="tensor")
+    results = scan_dump(str(root))
+    assert all(r.first is None and r.unchecked == 0 for r in results)
+    assert [c.op_path for c in results[0].contained] == [T5_LOG]
+
+
+def test_layer_level_statistics_alone_see_a_clean_t5(tmp_path_factory):
+    root = t5_dump(tmp_path_factory, "t5_layers", save_child=False)
+    assert all(r.first is None and not r.contained for r in scan_dump(str(root)))
+    assert cli.main(["scan", str(root), "-j", "1"]) == 0
+
+
+def test_an_inf_written_through_a_view_is_traced_to_the_kernel_that_wrote_it():
+    """`x[..., 0] = inf`: the kernel's output is the view, and no row shows the tensor it
+    wrote whole; the trail goes to the last op that output +inf."""
+    from atb_probe.layout import Side
+    from atb_probe.statcsv import Stats
+    from atb_probe.tools.scan import Seen, scan_items
+    inf, nan = float("inf"), float("nan")
+
+    def row(name, io, high, low):
+        return Seen(name, Side(io), "float", Stats(high, low, nan, nan))
+
+    rows = [row("2_Block/input.0", "input", 1.0, -1.0),
+            row("2_Block/0_LogKernel/input.0", "input", 1.0, 0.0),
+            row("2_Block/0_LogKernel/output.0", "output", 0.0, -inf),
+            row("2_Block/1_WhereSelfKernel/input.0", "input", 0.0, -inf),
+            row("2_Block/1_WhereSelfKernel/output.0", "output", 0.0, -3.0),
+            row("2_Block/2_SelectIntKernel/input.0", "input", 1.0, -1.0),
+            row("2_Block/2_SelectIntKernel/output.0", "output", 0.5, 0.5),
+            row("2_Block/3_FillScalarKernel/input.0", "input", 0.5, 0.5),
+            row("2_Block/3_FillScalarKernel/output.0", "output", inf, inf),
+            row("2_Block/output.0", "output", inf, -1.0)]
+    r = scan_items(rows, "0_1", 0)
+    assert r.first.op_path == "2_Block/3_FillScalarKernel" and r.first.inputs_finite
+    assert [c.op_path for c in r.contained] == ["2_Block/0_LogKernel"]
+    assert r.non_finite_ops == 2    # the fill and the block

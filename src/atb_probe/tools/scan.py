@@ -2,11 +2,20 @@
 
 No golden run is needed. For every process and round the tensors are read in execution order
 (statistic.csv's order: an op's inputs when it starts, its outputs when it ends, so a child op's
-outputs come before its parent's), and the first op whose output holds a NaN or an Inf is
-named, with whether its inputs were finite: when they were, that op made the bad value; when
-they were not, the value came from before the first dumped op (the model's inputs, or an op that
-was not dumped). With `save_child` this is the deepest op that was dumped, a kernel inside a
-child inside a layer; its layer-level op is named too.
+outputs come before its parent's), and the first NaN or Inf that reaches a layer-level op's
+output is the finding: the op that made it is named, with whether its inputs were finite: when
+they were, that op made the bad value; when they were not, the value came from before the first
+dumped op (the model's inputs, or an op that was not dumped). With `save_child` this is the
+deepest op that was dumped, a kernel inside a child inside a layer; its layer-level op is named
+too.
+
+A NaN/Inf that never reaches the layer-level op's output is *contained*: T5's relative-position
+bucket takes `log(0) = -inf` and drops it with `where`. A layer-level op whose outputs are finite
+contains every NaN/Inf of its children; in one whose outputs are not, the trail back from them
+(trail.py) tells the op where the value started from the NaN/Inf beside it that was dropped.
+Contained values are listed apart, per layer-level op execution, up to the round's finding
+(after it, any NaN/Inf may come from it), and never change the exit status. Where a layer-level
+op's outputs are not in the dump (`ids` chose a child only), every NaN/Inf below it counts.
 
 Whether a tensor is finite is read from its statistics when the csv has them (`task:
 statistics` or `all`: a NaN makes max and min NaN, an Inf makes one of them infinite), so a live
@@ -17,16 +26,16 @@ Integer and bool tensors are always finite and never read.
 mask into a float one with `scalar_tensor(-inf)` and `where`. So an output whose only non-finite
 values are -inf is a *mask*, not a finding, when the op made it from no floating-point input at
 all (a constant) or passed on the -inf of an input (`where`, an add of the mask); such ops are
-counted apart. -inf made from finite inputs (an overflow, `log(0)`) is a finding, and NaN and
-+inf always are. When judging whether a finding's inputs were finite, mask inputs count as
-finite.
+counted apart. -inf made from finite inputs (an overflow, `log(0)`), and what an op makes from
+it, is NaN/Inf like NaN and +inf. When judging whether a finding's inputs were finite, mask
+inputs count as finite.
 
 Growth warnings point at likely overflow sites before an Inf appears: ops whose largest output
 magnitude is at least `growth` times the largest magnitude of their floating-point inputs *and*
 at least `floor` in absolute terms. The floor keeps a healthy model's ordinary kernels off the
 list: an `rsqrt` of a small variance in an RMSNorm turns 1e-4 into 100, a ×1e6 growth that is
-no overflow risk at all. Warnings never change the exit status: 1 when a NaN/Inf was found, 0
-when none was, 2 on bad input.
+no overflow risk at all. Warnings never change the exit status: 1 when a NaN/Inf reached a
+layer-level op's output, 0 when none did, 2 on bad input.
 """
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ from .comparison import Role
 from .dumpreader import DumpError, NoData, Process, Round, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import max_abs
+from .trail import follow, signature
 
 FLOAT_DTYPES = frozenset({"float", "float16", "bf16", "double", "float8_e5m2", "float8_e4m3fn",
                           "float8_e8m0", "complex64", "complex128"})
@@ -126,6 +136,22 @@ class Growth:
 
 
 @dataclass(slots=True)
+class Contained:
+    """NaN/Inf inside one layer-level op execution that never reached its outputs."""
+
+    layer: str                   # the layer-level op: `2_T5Block`
+    op_path: str                 # the first op whose output held it
+    tensor: str                  # that output: `<op path>/output.0`
+    kind: NonFiniteKind
+    ops: int                     # ops of that execution whose outputs held such values
+
+    def summary(self) -> str:
+        """One line for the console."""
+        return (f"{self.kind} from {self.op_path} ({self.tensor.rsplit('/', 1)[1]}), "
+                f"{self.ops} op(s): never reaches the output of {self.layer}")
+
+
+@dataclass(slots=True)
 class RoundScan:
     """What the scan found in one round of one process."""
 
@@ -134,10 +160,11 @@ class RoundScan:
     side: Role | None = None     # the side of the dumps compare ran the scan on
     tensors: int = 0
     unchecked: int = 0           # tensors with neither statistics nor data
-    non_finite_ops: int = 0      # ops with a NaN/Inf output (masks aside)
+    non_finite_ops: int = 0      # ops with a NaN/Inf output that counts (not contained, no mask)
     mask_ops: int = 0            # ops that build or pass on -inf masks
     first: NonFinite | None = None
     growth: list[Growth] = field(default_factory=list)
+    contained: list[Contained] = field(default_factory=list)   # per layer-level op execution
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -150,38 +177,90 @@ class RoundScan:
 def scan_items(items, process: str, round_index: int, settings: Settings = Settings(),
                side: Role | None = None) -> RoundScan:
     """Scan one round's tensors (`Seen`, in execution order)."""
+    items = list(items)
     result = RoundScan(process, round_index, side)
-    inputs: dict[str, list[Seen]] = {}
-    bad_ops: set[str] = set()
+    inputs: dict[str, list[int]] = {}   # op path -> its input rows
+    layers: dict[str, list[int]] = {}   # layer-level op -> its rows
+    bad = [False] * len(items)          # rows holding NaN/Inf that counts (masks aside)
+    made_bad: set[tuple] = set()        # signatures of outputs in `bad`
     mask_ops: set[str] = set()
     grown: dict[str, Growth] = {}
-    for seen in items:
+    for i, seen in enumerate(items):
         result.tensors += 1
         if seen.stats is None:
             result.unchecked += 1
         op = seen.op_path
+        layers.setdefault(_layer(op), []).append(i)
+        kind = non_finite(seen.stats) if seen.stats is not None else None
         if seen.io == Side.INPUT:
-            inputs.setdefault(op, []).append(seen)
+            inputs.setdefault(op, []).append(i)
+            # -inf alone is a mask unless an op made it from finite values (`log(0)`).
+            bad[i] = kind is not None and (kind != NonFiniteKind.NEG_INF or
+                                           signature(seen) in made_bad)
             continue
-        if seen.stats is None:
+        if kind is None:
+            if seen.stats is not None:
+                g = _growth(seen, [items[j] for j in inputs.get(op, [])], settings)
+                if g is not None and (op not in grown or g.ratio > grown[op].ratio):
+                    grown[op] = g
             continue
-        kind = non_finite(seen.stats)
-        if kind is not None:
-            ins = inputs.get(op, [])
-            if kind == NonFiniteKind.NEG_INF and _builds_mask(ins):
-                mask_ops.add(op)
-            elif op not in bad_ops:
-                bad_ops.add(op)
-                if result.first is None:
-                    result.first = _non_finite(seen, kind, ins)
+        ins = inputs.get(op, [])
+        if kind == NonFiniteKind.NEG_INF and _builds_mask(items, bad, ins):
+            mask_ops.add(op)
             continue
-        g = _growth(seen, inputs.get(op, []), settings)
-        if g is not None and (op not in grown or g.ratio > grown[op].ratio):
-            grown[op] = g
+        bad[i] = True
+        made_bad.add(signature(seen))
+    bad_ops: set[str] = set()
+    for layer, rows in layers.items():
+        first, counted, contained = _judge_layer(items, bad, inputs, layer, rows)
+        bad_ops |= counted
+        # After the finding, NaN/Inf anywhere may come from it: none is listed as contained.
+        if contained is not None and (result.first is None or first is not None and
+                                      result.first.layer == layer):
+            result.contained.append(contained)
+        if first is not None and result.first is None:
+            result.first = first
     result.non_finite_ops = len(bad_ops)
     result.mask_ops = len(mask_ops - bad_ops)
     result.growth = list(grown.values())
     return result
+
+
+def _judge_layer(items: list, bad: list[bool], inputs: dict, layer: str, rows: list[int]):
+    """The NaN/Inf of one layer-level op execution (`rows`: its rows in `items`): (the finding
+    or None, the ops whose NaN/Inf counts, a `Contained` or None).
+
+    A layer whose outputs are finite contains every NaN/Inf below it. One whose outputs are
+    not has its finding where the trail back from them starts (trail.py); NaN/Inf off the
+    trail and before that start is contained too. Where the outputs are not known (not
+    dumped), or the trail cannot be followed, every NaN/Inf counts and the first is the
+    finding."""
+    outputs = [i for i in rows if items[i].op_path == layer and items[i].io == Side.OUTPUT]
+    made = [i for i in rows if bad[i] and items[i].io == Side.OUTPUT]
+    if not made:
+        return None, set(), None
+    known = bool(outputs) and all(items[i].stats is not None for i in outputs)
+    start, held = made[0], []
+    if known and not any(bad[i] for i in outputs):
+        held = made
+        start = None
+    elif known:
+        trail = follow([items[i] for i in rows], [bad[i] for i in rows], layer)
+        if trail is not None and trail.starts:
+            start = rows[trail.starts[0]]
+            held = [i for i in made if i < start and items[i].op_path not in trail.ops]
+    held_ops = {items[i].op_path for i in held}
+    counted = {items[i].op_path for i in made} - held_ops
+    contained = None
+    if held:
+        seen = items[held[0]]
+        contained = Contained(layer, seen.op_path, seen.name, non_finite(seen.stats),
+                              len(held_ops))
+    if start is None:
+        return None, counted, contained
+    seen = items[start]
+    return _non_finite(seen, non_finite(seen.stats), items, bad,
+                       inputs.get(seen.op_path, [])), counted, contained
 
 
 def _layer(op_path: str) -> str:
@@ -197,22 +276,27 @@ def non_finite(stats: Stats) -> NonFiniteKind | None:
     return NonFiniteKind.NEG_INF if stats.max != math.inf else NonFiniteKind.INF
 
 
-def _builds_mask(ins: list[Seen]) -> bool:
-    """Whether an op that output -inf made a mask: from no float input, or from a mask."""
-    floats = [x for x in ins if x.dtype in FLOAT_DTYPES and x.stats is not None]
-    return not floats or any(non_finite(x.stats) == NonFiniteKind.NEG_INF for x in floats)
+def _builds_mask(items: list, bad: list[bool], ins: list[int]) -> bool:
+    """Whether an op that output -inf made a mask: from no float input, or from a mask (an
+    input holding -inf that no op made from finite values), and no input NaN/Inf that
+    counts."""
+    floats = [i for i in ins if items[i].dtype in FLOAT_DTYPES and items[i].stats is not None]
+    if any(bad[i] for i in floats):
+        return False
+    return not floats or any(non_finite(items[i].stats) == NonFiniteKind.NEG_INF
+                             for i in floats)
 
 
-def _non_finite(seen: Seen, kind: NonFiniteKind, ins: list[Seen]) -> NonFinite:
-    bad = [x.name for x in ins if x.stats is not None
-           and non_finite(x.stats) not in (None, NonFiniteKind.NEG_INF)]
-    if bad:
+def _non_finite(seen: Seen, kind: NonFiniteKind, items: list, bad: list[bool],
+                ins: list[int]) -> NonFinite:
+    bad_inputs = [items[i].name for i in ins if bad[i]]
+    if bad_inputs:
         clean = False
-    elif any(x.stats is None for x in ins):
+    elif any(items[i].stats is None for i in ins):
         clean = None
     else:
         clean = True
-    return NonFinite(seen.op_path, _layer(seen.op_path), seen.name, kind, clean, bad)
+    return NonFinite(seen.op_path, _layer(seen.op_path), seen.name, kind, clean, bad_inputs)
 
 
 def _growth(seen: Seen, ins: list[Seen], settings: Settings) -> Growth | None:
@@ -312,10 +396,12 @@ def register(sub) -> None:
     p = sub.add_parser(
         "scan", help="find the first op that made a NaN/Inf, and likely overflow sites",
         description="Read one dump in execution order and name, per process and round, the "
-                    "first op whose output holds NaN or Inf (and whether its inputs were "
-                    "finite), and ops whose outputs grow far above their inputs. Uses "
-                    "statistic.csv where it has statistics, else the .bin data. Exit status: "
-                    "1 when a NaN/Inf was found, 0 when not, 2 on bad input.",
+                    "first op whose NaN or Inf reaches a layer-level op's output (and whether "
+                    "its inputs were finite), and ops whose outputs grow far above their "
+                    "inputs. NaN/Inf dropped on the way (a where, a masked_fill, a softmax over "
+                    "a -inf mask) is listed apart as contained. Uses statistic.csv where it "
+                    "has statistics, else the .bin data. Exit status: 1 when a NaN/Inf reached "
+                    "a layer-level op's output, 0 when not, 2 on bad input.",
         epilog="example: atb-probe scan out/atb_dump_data --json scan.json")
     p.add_argument("dump", help="the dump (any level: root, <dev>_<pid> or round folder)")
     p.add_argument("--json", metavar="FILE", help="also write the findings to FILE as JSON "
@@ -351,6 +437,7 @@ def _scan(args) -> int:
     if args.json:
         doc = {"dump": os.path.abspath(args.dump), "growth": settings.growth,
                "floor": settings.floor, "non_finite": found,
+               "contained": sum(len(r.contained) for r in results),
                "rounds": [r.to_json() for r in results]}
         text = json.dumps(doc, indent=2)
         if args.json == "-":
@@ -393,6 +480,13 @@ def _print(out, results: list[RoundScan], settings: Settings) -> None:
             out.print(f"  ... and {len(warnings) - 20} more (see --json)")
     if masks:
         out.print(f"{masks} op(s) build or pass on -inf attention masks: not counted as NaN/Inf")
+    contained = [(r, c) for r in results for c in r.contained]
+    if contained:
+        out.print("contained NaN/Inf (dropped before the layer-level op's output; not counted):")
+        for r, c in contained[:20]:
+            out.print(f"  {r.process} round {r.round_index}: {escape(c.summary())}")
+        if len(contained) > 20:
+            out.print(f"  ... and {len(contained) - 20} more (see --json)")
     first = next((r for r in results if r.first is not None), None)
     if first is None:
         out.print("no NaN/Inf in any output", style="green")
