@@ -53,8 +53,11 @@ _COLLECTIVES = ("c10d.", "_c10d_functional.")
 # result to autograd's `make_variable`, which keeps that tensor only when nothing else holds a
 # reference to it; otherwise it makes a shallow copy, and under a dispatch mode that copy is an
 # `aten.detach` the mode sees. So while a mode is pushed, a reference kept to a factory's
-# output past the kernel adds a kernel to the model's run: the recorder keeps none.
+# output past the kernel adds a kernel to the model's run: the recorder keeps none. Casts take
+# tensor options too, but are reached through `Tensor.to`, whose binding returns the kernel's
+# result as it is: their outputs may wait for the layer's batch.
 _TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
+_CASTS = ("aten._to_copy.", "aten.to.")
 
 
 @lru_cache(maxsize=4096)
@@ -73,4 +76,4 @@ def kernel_info(func) -> Kernel:
         names, written = (), ()
     return Kernel(op_name, kernel_name(op_name), (names, None, names), written,
                   op_name in ALLOCATION_OPS, op_name.startswith(_COLLECTIVES),
-                  _TENSOR_OPTIONS.issubset(names))
+                  _TENSOR_OPTIONS.issubset(names) and not op_name.startswith(_CASTS))
