@@ -12,7 +12,7 @@ too.
 A NaN/Inf that never reaches the layer-level op's output is *contained*: T5's relative-position
 bucket takes `log(0) = -inf` and drops it with `where`. A layer-level op whose outputs are finite
 contains every NaN/Inf of its children; in one whose outputs are not, the trail back from them
-(trail.py) tells the op where the value started from the NaN/Inf beside it that was dropped.
+(trail.py) names the op where the value started, and NaN/Inf dropped beside it is contained.
 Contained values are listed apart, per layer-level op execution, up to the round's finding
 (after it, any NaN/Inf may come from it), and never change the exit status. Where a layer-level
 op's outputs are not in the dump (`ids` chose a child only), every NaN/Inf below it counts.
@@ -214,9 +214,8 @@ def scan_items(items, process: str, round_index: int, settings: Settings = Setti
     for layer, rows in layers.items():
         first, counted, contained = _judge_layer(items, bad, inputs, layer, rows)
         bad_ops |= counted
-        # After the finding, NaN/Inf anywhere may come from it: none is listed as contained.
-        if contained is not None and (result.first is None or first is not None and
-                                      result.first.layer == layer):
+        # After the finding's layer, NaN/Inf anywhere may come from it: none is contained.
+        if contained is not None and result.first is None:
             result.contained.append(contained)
         if first is not None and result.first is None:
             result.first = first
