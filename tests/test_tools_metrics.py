@@ -6,8 +6,8 @@ import pytest
 
 from atb_probe.layout import Side
 from atb_probe.statcsv import Stats
-from atb_probe.tools.comparison import MatchMethod, PairMode, PairResult, TensorRef
-from atb_probe.tools.divergence import OpRows, Thresholds, crosses, first_divergence
+from atb_probe.tools.comparison import MatchMethod, PairMode, PairResult, TensorRef, Thresholds
+from atb_probe.tools.divergence import OpRows, crosses, first_divergence
 from atb_probe.tools.metrics import StatsDiff, TensorMetrics, compare_arrays, stats_metrics
 
 

@@ -4,9 +4,10 @@ GOLDEN and TARGET are dumps opened at the same level (roots, `<dev>_<pid>` folde
 folders; see dumpreader). The pipeline: align.py pairs processes, rounds, ops and tensors (by
 ID, by name, by an op map, or by execution order and shape between two implementations);
 metrics.py compares each pair; divergence.py judges them and finds the first diverging op;
-scan.py looks at each side's compared tensors for NaN/Inf and overflow. The results are
-records (comparison.py), written by the renderers: resulttable.py (`atb_compare_result.csv`
-and `.xlsx`, msprobe's columns first) and report.py (`atb_compare_report.html`).
+scan.py looks at each side's compared tensors for NaN/Inf and overflow. The stages share the
+records of comparison.py; the whole result (result.py) is written by the renderers:
+resulttable.py (`atb_compare_result.csv` and `.xlsx`, msprobe's columns first) and report.py
+(`atb_compare_report.html`).
 
 Compare mode per tensor (`--mode auto`, the default): tensor metrics when both sides have the
 bytes, else statistics differences from the csv (or from the bytes of the side that has them),
@@ -29,15 +30,16 @@ from dataclasses import dataclass
 from ..layout import Side
 from ..statcsv import is_empty_shape, parse_shape
 from . import extras
-from .align import Alignment, Unmatched, UnmatchedKind, align_dumps
+from .align import Alignment, align_dumps
 from .arrays import ReadBuffer, load_values
-from .comparison import (CompareError, CompareMode, CompareResult, MatchMethod, PairMode,
-                         PairResult, RefPair, Role, RoundNumbers, TensorRef)
-from .divergence import Finding, OpRows, Thresholds, crosses, first_divergence
+from .comparison import (CompareError, CompareMode, MatchMethod, PairMode, PairResult, RefPair,
+                         Role, RoundNumbers, TensorRef, Thresholds, Unmatched, UnmatchedKind)
+from .divergence import Finding, OpRows, crosses, first_divergence
 from .dumpreader import DumpError, DumpLevel, NoData, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import array_stats, compare_arrays, stats_metrics
 from .opmap import OpMap, load_map
+from .result import CompareResult
 from .scan import scan_compared
 
 MODES = tuple(mode.value for mode in CompareMode)

@@ -16,18 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from .comparison import PairMode, PairResult
-
-
-@dataclass(frozen=True, slots=True)
-class Thresholds:
-    min_cosine: float = 0.99
-    min_ratio: float = 0.9       # One Thousandth Err Ratio
-    max_norm_err: float = 1.0    # Relative Err of Norm(%), statistics mode
-
-    def describe(self) -> str:
-        return (f"cosine < {self.min_cosine:g} or 1‰-ratio < {self.min_ratio:g} (tensor mode); "
-                f"relative norm error > {self.max_norm_err:g}% (statistics mode)")
+from .comparison import PairMode, PairResult, Thresholds
 
 
 def crosses(row: PairResult, th: Thresholds) -> bool | None:

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 
 from ..layout import Side
-from .comparison import CompareResult, PairMode, PairResult, Role
+from .comparison import PairMode, PairResult, Role
+from .result import CompareResult
 from .resulttable import FIELDS
 
 REPORT_HTML = "atb_compare_report.html"
