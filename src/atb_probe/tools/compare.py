@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from ..layout import Side
 from ..statcsv import is_empty_shape, parse_shape
 from . import extras
-from .align import Alignment, align_dumps
+from .align import Alignment, RoundPair, align_dumps
 from .arrays import ReadBuffer, load_values
 from .comparison import (CompareError, CompareMode, MatchMethod, PairMode, PairResult, RefPair,
                          Role, RoundNumbers, TensorRef, Thresholds, Unmatched, UnmatchedKind)
-from .divergence import Finding, OpRows, crosses, first_divergence
+from .divergence import Finding, OpRows, crosses, judge
 from .dumpreader import DumpError, DumpLevel, NoData, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import array_stats, compare_arrays, stats_metrics
@@ -87,9 +87,11 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
     alignment: Alignment = align_dumps(g_dump, t_dump, opmap)
     work: list[RefPair] = []
     spans: list[_OpSpan] = []
+    alone: list[OpRows] = []     # ops of the target with no counterpart: not judged
     round_ends = []
     for rp in alignment.rounds:
         round_ends.append(len(work))
+        alone += _target_only(rp)
         for op in rp.ops:
             start = len(work)
             # An allocation kernel's output holds whatever the memory held: nothing to compare.
@@ -101,8 +103,9 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
     rows = run_pairs(work, mode, jobs, progress, batch_elements)
     for row in rows:
         row.diverged = crosses(row, thresholds)
-    ops = sorted((span.rows(rows) for span in spans), key=lambda op: op.finished)
-    finding = first_divergence(ops, thresholds)
+    ops = sorted([span.rows(rows) for span in spans] + alone, key=lambda op: op.finished)
+    verdict = judge(ops)
+    finding = verdict.finding
     round_ends.append(len(rows))
     rows = [r for start, end in zip(round_ends, round_ends[1:])
             for r in sorted(rows[start:end], key=lambda r: r.order)]
@@ -111,7 +114,16 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
     return CompareResult(g_dump.path, t_dump.path, mode, thresholds, rows, alignment.unmatched,
                          finding, [RoundNumbers(rp.golden.index, rp.target.index)
                                    for rp in alignment.rounds],
-                         alignment.name_matched, scan_compared(rows), max(1, jobs))
+                         alignment.name_matched, scan_compared(rows), max(1, jobs),
+                         verdict.unjudged)
+
+
+def _target_only(rp: RoundPair) -> list[OpRows]:
+    """The ops of a round pair's target that no golden op was paired with, where they ran."""
+    paired = {op.target.op_path for op in rp.ops}
+    return [OpRows(rp.target.index, op.op_path, "", [], [],
+                   done=min(t.order for t in (op.outputs or op.tensors)))
+            for op in rp.target.ops if op.op_path not in paired]
 
 
 def run_pairs(work: list[RefPair], mode: CompareMode, jobs: int = 1, progress=None,
@@ -343,9 +355,9 @@ def _compare(args) -> int:
     _print_unmatched(out, result.unmatched, sheet)
     if result.finding:
         style = "bold red" if result.finding.inputs_clean else "bold yellow"
-        out.print(result.finding.summary(), style=style)
     else:
-        out.print(f"no divergence: no output crosses {thresholds.describe()}", style="green")
+        style = "yellow" if result.unjudged else "green"
+    out.print(result.verdict_text(), style=style)
     for scanned in result.scan:
         if scanned.first is not None:
             out.print(f"{scanned.side}: {scanned.first.summary(scanned)}", style="bold red")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..layout import Side
 from .comparison import PairMode, PairResult, Role
+from .divergence import InputState
 from .result import CompareResult
 from .resulttable import FIELDS
 
@@ -87,10 +88,15 @@ def _fmt(value) -> str:
 def _finding_box(result) -> str:
     f = result.finding
     if f is None:
-        return (f"<div class='ok'><b>No divergence.</b> No output crosses "
-                f"{_escape(result.thresholds.describe())}.</div>")
+        if not result.unjudged:
+            return (f"<div class='ok'><b>No divergence.</b> No output crosses "
+                    f"{_escape(result.thresholds.describe())}.</div>")
+        return (f"<div class='warn'><div class='big'>No divergence among the compared "
+                f"outputs</div><div>{_escape(result.verdict_text())}</div></div>")
     cls = "bad" if f.inputs_clean else "warn"
-    head = "First divergence" if f.inputs_clean else "First crossing op (its inputs differ too)"
+    head = {InputState.CLEAN: "First divergence",
+            InputState.UNKNOWN: "First crossing op (an input could not be compared)",
+            InputState.CROSSING: "First crossing op (its inputs differ too)"}[f.inputs]
     where = f"<code>{_escape(f.op_path)}</code>"
     if f.golden_op_path != f.op_path:
         where += f" ↔ <code>{_escape(f.golden_op_path)}</code>"
