@@ -3,14 +3,17 @@ compared (a layer whose output has another shape, a layer only one side dumped),
 without a planted fault in that layer."""
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
+from atb_probe import cli
 from atb_probe.tools.compare import compare_dumps
 from atb_probe.tools.divergence import InputState
 
 from conftest import dump, generate, tiny_llama
 from harness import config
-import pytest
 
 FLAT = "3_LlamaDecoderLayer"         # layers[1]: its output is (tokens, hidden) in the target
 NEXT = "4_LlamaDecoderLayer"         # layers[2]: takes that back
@@ -54,9 +57,29 @@ def golden(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def flat_broken(golden, tmp_path_factory):
-    return compare_dumps(str(golden), str(llama_dump(tmp_path_factory, "flat_broken",
-                                                     flat=True, broken=True)))
+def flat_broken_dump(tmp_path_factory):
+    return llama_dump(tmp_path_factory, "flat_broken", flat=True, broken=True)
+
+
+@pytest.fixture(scope="module")
+def flat_dump(tmp_path_factory):
+    return llama_dump(tmp_path_factory, "flat", flat=True)
+
+
+@pytest.fixture(scope="module")
+def golden_ids(tmp_path_factory):
+    """The golden run dumped with `ids` that leave out the layer the target perturbs."""
+    return llama_dump(tmp_path_factory, "golden_ids", ids="0,1,2,4,5,6,7")
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    return llama_dump(tmp_path_factory, "broken", broken=True)
+
+
+@pytest.fixture(scope="module")
+def flat_broken(golden, flat_broken_dump):
+    return compare_dumps(str(golden), str(flat_broken_dump))
 
 
 def test_a_crossing_op_whose_input_has_no_metrics_is_not_called_clean(flat_broken):
@@ -75,8 +98,8 @@ def test_a_crossing_op_whose_input_has_no_metrics_is_not_called_clean(flat_broke
 
 
 def test_without_the_fault_there_is_no_divergence_but_the_unjudged_layer_is_named(
-        golden, tmp_path_factory):
-    result = compare_dumps(str(golden), str(llama_dump(tmp_path_factory, "flat", flat=True)))
+        golden, flat_dump):
+    result = compare_dumps(str(golden), str(flat_dump))
     assert result.finding is None
     assert [u.op_path for u in result.unjudged] == [FLAT]
     text = result.verdict_text()
@@ -92,10 +115,8 @@ def test_a_judged_child_of_the_unjudged_layer_is_still_the_first_divergence(tmp_
     assert f.inputs_clean and f.op_path == DOWN_PROJ
 
 
-def test_a_layer_the_golden_did_not_dump_is_where_the_error_may_start(tmp_path_factory):
-    """The golden run was dumped with `ids` that leave out the layer the target perturbed."""
-    good = llama_dump(tmp_path_factory, "golden_ids", ids="0,1,2,4,5,6,7")
-    bad = llama_dump(tmp_path_factory, "broken", broken=True)
+def test_a_layer_the_golden_did_not_dump_is_where_the_error_may_start(golden_ids, broken):
+    good, bad = golden_ids, broken
     result = compare_dumps(str(good), str(bad))
     f = result.finding
     assert f.op_path == NEXT and f.inputs == InputState.CROSSING
@@ -107,3 +128,52 @@ def test_a_layer_the_golden_did_not_dump_is_where_the_error_may_start(tmp_path_f
     # verdict does not blame the first dumped op either.
     text = compare_dumps(str(bad), str(good)).verdict_text()
     assert "not dumped or not paired" in text and not any(words in text for words in NEVER)
+
+
+def read_summary(out) -> dict:
+    def strict(word):
+        raise ValueError(f"not strict JSON: {word}")
+    return json.loads((out / "atb_compare_summary.json").read_text(), parse_constant=strict)
+
+
+def test_the_json_summary_and_the_exit_status_for_ci(golden, flat_broken_dump, flat_dump,
+                                                      tmp_path, capsys):
+    out = tmp_path / "broken"
+    args = ["compare", str(golden), str(flat_broken_dump), "-o", str(out), "--no-xlsx",
+            "--no-html"]
+    assert cli.main(args) == 0                     # a finding is not a failure by default
+    assert cli.main(args + ["--fail-on-divergence"]) == 1
+    printed = capsys.readouterr().out
+    doc = read_summary(out)
+    assert doc["diverged"] is True and doc["verdict"] in printed.replace("\n", "")
+    first = doc["first_divergence"]
+    assert first["inputs"] == "unknown" and first["metric"] in ("cosine", "one_thousandth_ratio")
+    assert first["value"] == first["metrics"][first["metric"]] < 0.99
+    for side in ("golden", "target"):
+        assert first[side]["op_path"] == NEXT and first[side]["op_name"] == "LlamaDecoderLayer"
+        assert first[side]["round"] == 0 and first[side]["tensor"] == f"{NEXT}/output.0"
+    assert first["request"] is None and first["token"] is None
+    assert first["unknown_input"]["tensor"] == f"{NEXT}/input.0"
+    assert first["unknown_input"]["why"].startswith("shape differs")
+    assert first["unjudged_before"]["target_op_path"] == FLAT
+    assert doc["counts"]["unjudged_ops"] == 1 and doc["counts"]["crossing"] > 0
+    assert doc["thresholds"] == {"min_cosine": 0.99, "min_ratio": 0.9, "max_norm_err": 1.0}
+    assert doc["rounds"] == [{"golden": 0, "target": 0}] and doc["unmatched"] == []
+
+    out = tmp_path / "clean"
+    assert cli.main(["compare", str(golden), str(flat_dump), "-o", str(out), "--no-xlsx",
+                     "--no-html", "--fail-on-divergence"]) == 0
+    doc = read_summary(out)
+    assert doc["diverged"] is False and doc["first_divergence"] is None
+    assert [u["target_op_path"] for u in doc["unjudged"]] == [FLAT]
+
+
+def test_the_summary_groups_what_could_not_be_aligned(golden_ids, broken, tmp_path):
+    out = tmp_path / "c"
+    assert cli.main(["compare", str(golden_ids), str(broken), "-o", str(out), "--no-xlsx", "--no-html",
+                     "--fail-on-divergence"]) == 1
+    doc = read_summary(out)
+    assert doc["first_divergence"]["inputs"] == "crossing"
+    [group] = doc["unmatched"]
+    assert (group["only_in"], group["kind"], group["what"]) == ("target", "op", [FLAT])
+    assert group["entries"] == 1 and "no op of the other dump pairs with it" in group["why"]

@@ -128,7 +128,9 @@ def test_before_the_first_dumped_op_is_said_only_of_the_first_op_of_a_round():
     assert "no compared op before it crosses" in later.summary()
     unknown = judge([quiet, op("1_A", 2, input_diverged=None), op("2_B", 4, False)]).finding
     assert unknown.op_path == "1_A" and unknown.inputs == InputState.UNKNOWN
-    assert unknown.then_clean == "round 0, 2_B"
+    assert unknown.then_clean.op_path == "2_B"
+    assert "the first later crossing op whose inputs all match is round 0, 2_B" \
+        in unknown.summary()
 
 
 def test_chunked_metrics_equal_the_whole_array_definitions():

@@ -255,14 +255,17 @@ def _load(ref: TensorRef, buffer: ReadBuffer):
 
 def write_outputs(result: CompareResult, out: str, xlsx: bool = True,
                   html: bool = True) -> list[str]:
-    """Write the CSV, the .xlsx and the HTML report into `out`; their paths."""
+    """Write the CSV, the JSON summary, the .xlsx and the HTML report into `out`; their
+    paths."""
     from .report import REPORT_HTML, render_html
     from .resulttable import RESULT_CSV, RESULT_XLSX, XLSX_MAX_ROWS, write_csv, write_xlsx
+    from .summary import SUMMARY_JSON, write_summary
     if os.path.exists(out) and not os.path.isdir(out):
         raise CompareError(f"--output {out} is not a folder")
     os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, RESULT_CSV)]
+    paths = [os.path.join(out, RESULT_CSV), os.path.join(out, SUMMARY_JSON)]
     write_csv(result, paths[0])
+    write_summary(result, paths[1])
     if xlsx and len(result.rows) >= XLSX_MAX_ROWS:
         print(f"atb-probe compare: {len(result.rows)} rows do not fit in an .xlsx sheet; "
               f"skipped it (the CSV has them all)", file=sys.stderr)
@@ -282,10 +285,14 @@ def register(sub) -> None:
     p = sub.add_parser(
         "compare", help="compare two dumps and find the first diverging operator",
         description="Compare the tensors of TARGET with those of GOLDEN (dump roots, "
-                    "<dev>_<pid> folders or round folders), write a CSV, an .xlsx and an HTML "
-                    "report, and name the first operator whose output diverges while its "
-                    "inputs do not.",
-        epilog="example: atb-probe compare fp32 bf16 -o cmp --min-ratio 0")
+                    "<dev>_<pid> folders or round folders), write a CSV, a JSON summary, an "
+                    ".xlsx and an HTML report, and name the first operator whose output "
+                    "diverges while its inputs do not.",
+        epilog="exit status: 0 when the comparison ran, whatever it found (with "
+               "--fail-on-divergence: 1 when it found a divergence); 1 when no tensor could "
+               "be paired; 2 for a usage error (a bad argument, a path that is not a dump, a "
+               "bad map file) or results that could not be written. "
+               "example: atb-probe compare fp32 bf16 -o cmp --min-ratio 0")
     p.add_argument("golden", help="the reference dump")
     p.add_argument("target", help="the dump to check")
     p.add_argument("-o", "--output", default="compare_output",
@@ -308,6 +315,9 @@ def register(sub) -> None:
     p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                    help="worker processes comparing tensors at once (default: the cores "
                         f"available, here {default_jobs()})")
+    p.add_argument("--fail-on-divergence", action="store_true",
+                   help="exit with status 1 when a divergence is found (for CI); the results "
+                        "are written all the same")
     p.add_argument("--no-xlsx", action="store_true", help="skip the .xlsx file")
     p.add_argument("--no-html", action="store_true", help="skip the HTML report")
     p.set_defaults(func=_compare)
@@ -363,7 +373,7 @@ def _compare(args) -> int:
             out.print(f"{scanned.side}: {scanned.first.summary(scanned)}", style="bold red")
     for path in paths:
         out.print(f"wrote {path}")
-    return 0
+    return 1 if args.fail_on_divergence and result.finding is not None else 0
 
 
 def _print_unmatched(out, unmatched: list[Unmatched], sheet: str | None,

@@ -73,6 +73,25 @@ class Unjudged:
         return f"round {self.round_index}, {_both(self.op_path, self.golden_op_path)}"
 
 
+def crossing_metric(row: PairResult, th: Thresholds) -> tuple[str, float | None] | None:
+    """Which number makes a row cross, and its value: (`cosine`, 0.83),
+    (`one_thousandth_ratio`, 0.2), (`norm_rel_pct`, 12.5), (`norm`, the target's norm when the
+    golden's is 0 or not finite), (`nan_mismatch`, None); None when it does not cross."""
+    if not crosses(row, th):
+        return None
+    if row.mode == PairMode.TENSOR:
+        cos = row.metrics.cosine
+        if row.note.startswith("nan_mismatch"):
+            return "nan_mismatch", None
+        if cos is not None and cos < th.min_cosine:
+            return "cosine", cos
+        return "one_thousandth_ratio", row.metrics.one_thousandth_ratio
+    if row.diffs.norm_rel_pct is None or not math.isfinite(row.target_stats.norm) \
+            or not math.isfinite(row.golden_stats.norm):
+        return "norm", row.target_stats.norm
+    return "norm_rel_pct", row.diffs.norm_rel_pct
+
+
 @dataclass(slots=True)
 class Finding:
     """The op to look at first, with the row of its worst output."""
@@ -88,7 +107,7 @@ class Finding:
     unjudged: Unjudged | None = None   # not CLEAN: the last op before it that was not judged
     unjudged_before: int = 0     # how many ops before it could not be judged
     first_op: bool = False       # no compared op of its round finished before it
-    then_clean: str = ""         # UNKNOWN: the first later crossing op whose inputs match
+    then_clean: Finding | None = None  # UNKNOWN: the first later crossing op, inputs clean
 
     @property
     def inputs_clean(self) -> bool:
@@ -127,9 +146,10 @@ class Finding:
                     "so the error may start here or earlier")
             if self.unjudged is not None:
                 text += f", {self._unjudged_text()}"
-            if self.then_clean:
+            if self.then_clean is not None:
+                c = self.then_clean
                 text += (f"; the first later crossing op whose inputs all match is "
-                         f"{self.then_clean}")
+                         f"round {c.round_index}, {c.where()}")
             return text
         text = head + "its inputs already differ"
         if self.unjudged is not None:
@@ -236,7 +256,7 @@ def judge(ops: Iterable[OpRows]) -> Verdict:
             crossing = finding
     if unknown is not None:
         if clean is not None:
-            unknown.then_clean = f"round {clean.round_index}, {clean.where()}"
+            unknown.then_clean = clean
         return Verdict(unknown, unjudged)
     return Verdict(clean or crossing, unjudged)
 
