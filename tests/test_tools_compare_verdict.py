@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from atb_probe import cli
-from atb_probe.tools.compare import compare_dumps
+from atb_probe.tools.compare import compare_dumps, write_outputs
 from atb_probe.tools.divergence import InputState
 
 from conftest import dump, generate, tiny_llama
 from harness import config
+from test_tools_report_browser import BROWSER, pixels, screenshot
 
 FLAT = "3_LlamaDecoderLayer"         # layers[1]: its output is (tokens, hidden) in the target
 NEXT = "4_LlamaDecoderLayer"         # layers[2]: takes that back
@@ -177,3 +178,31 @@ def test_the_summary_groups_what_could_not_be_aligned(golden_ids, broken, tmp_pa
     [group] = doc["unmatched"]
     assert (group["only_in"], group["kind"], group["what"]) == ("target", "op", [FLAT])
     assert group["entries"] == 1 and "no op of the other dump pairs with it" in group["why"]
+
+
+WARN_BOX = (255, 246, 221)           # div.warn background: a verdict that is not clean
+CLEAN_BOX = (253, 232, 232)          # div.bad background: a clean first divergence
+CAVEAT = (138, 90, 0)                # .caveat text and the ? of an output without metrics
+
+
+def test_the_report_shows_the_alignment_and_the_caveat(flat_broken, tmp_path):
+    write_outputs(flat_broken, str(tmp_path), xlsx=False)
+    page = (tmp_path / "atb_compare_report.html").read_text()
+    alignment = page[page.index("<h2>Alignment</h2>"):page.index("<h2>Per layer")]
+    assert "<td>0_" in alignment and "ops by id" in alignment and "without metrics" in alignment
+    judged = alignment[alignment.index("Ops that could not be judged"):]
+    assert f"<code>{FLAT}</code>" in judged and "shape differs" in judged
+    assert "<h3>Unmatched</h3><p>Everything was matched." in alignment
+    box = page[page.index("<div class='warn'>"):page.index("<h2>Summary")]
+    assert "an input could not be compared" in box
+    assert "<div class='caveat'>its input input.0 could not be compared" in box
+    assert page.count("class='unk'") == 1          # the flattened layer's output in the plot
+    if BROWSER is None:
+        pytest.skip("no headless Chromium installed to look at it")
+    image = screenshot(tmp_path / "atb_compare_report.html", tmp_path)
+    warn = pixels(image, WARN_BOX)
+    assert len(warn) > 20_000 and warn[:, 0].min() < 150      # a wide box at the top
+    assert len(pixels(image, CLEAN_BOX)) == 0                  # not drawn as a clean finding
+    caveat = pixels(image, CAVEAT)
+    inside = caveat[(caveat[:, 0] > warn[:, 0].min()) & (caveat[:, 0] < warn[:, 0].max())]
+    assert len(inside) > 50                                    # the caveat line, in the box

@@ -136,13 +136,19 @@ class Finding:
         """One line for the console and the report."""
         where = f"round {self.round_index}, {self.where()} ({_own_name(self.row)})"
         if self.inputs == InputState.CLEAN:
+            return f"first divergence: {where}: {self.metric()}; {self.caveat()}"
+        return f"first crossing op: {where}: {self.metric()}; {self.caveat()}"
+
+    def caveat(self) -> str:
+        """What its inputs say about where the error starts (the part of the summary after
+        the metric)."""
+        if self.inputs == InputState.CLEAN:
             inside = (f"; inside it, {self.first_inside} is the first to differ"
                       if self.first_inside else "")
-            return f"first divergence: {where}: {self.metric()}; its inputs match{inside}"
-        head = f"first crossing op: {where}: {self.metric()}; "
+            return f"its inputs match{inside}"
         if self.inputs == InputState.UNKNOWN:
             u = self.unknown_input
-            text = (head + f"its input {_own_name(u)} could not be compared ({why_unknown(u)}), "
+            text = (f"its input {_own_name(u)} could not be compared ({why_unknown(u)}), "
                     "so the error may start here or earlier")
             if self.unjudged is not None:
                 text += f", {self._unjudged_text()}"
@@ -151,7 +157,7 @@ class Finding:
                 text += (f"; the first later crossing op whose inputs all match is "
                          f"round {c.round_index}, {c.where()}")
             return text
-        text = head + "its inputs already differ"
+        text = "its inputs already differ"
         if self.unjudged is not None:
             return f"{text}: the error may start {self._unjudged_text()}"
         if self.first_op:
