@@ -171,8 +171,8 @@ def test_the_json_summary_and_the_exit_status_for_ci(golden, flat_broken_dump, f
 
 def test_the_summary_groups_what_could_not_be_aligned(golden_ids, broken, tmp_path):
     out = tmp_path / "c"
-    assert cli.main(["compare", str(golden_ids), str(broken), "-o", str(out), "--no-xlsx", "--no-html",
-                     "--fail-on-divergence"]) == 1
+    assert cli.main(["compare", str(golden_ids), str(broken), "-o", str(out), "--no-xlsx",
+                     "--no-html", "--fail-on-divergence"]) == 1
     doc = read_summary(out)
     assert doc["first_divergence"]["inputs"] == "crossing"
     [group] = doc["unmatched"]

@@ -249,8 +249,8 @@ def _layers(result) -> str:
         f"<td>{_fmt(e.min_cosine)}</td><td>{_fmt(e.max_error)}</td></tr>"
         for (r, layer), e in layers.items())
     return ("<h2>Per layer</h2><table class='grid'><tr><th>round</th><th>layer</th>"
-            "<th>outputs</th><th>crossing</th><th>without metrics</th><th>min cosine</th><th>max relative error</th>"
-            f"</tr>{body}</table>")
+            "<th>outputs</th><th>crossing</th><th>without metrics</th><th>min cosine</th>"
+            f"<th>max relative error</th></tr>{body}</table>")
 
 
 def _key(row: PairResult) -> tuple[str, str, int]:
