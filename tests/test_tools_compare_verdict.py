@@ -104,7 +104,7 @@ def test_without_the_fault_there_is_no_divergence_but_the_unjudged_layer_is_name
     assert result.finding is None
     assert [u.op_path for u in result.unjudged] == [FLAT]
     text = result.verdict_text()
-    assert text.startswith("no divergence") and "1 op could not be judged" in text
+    assert text.startswith("no divergence") and "1 paired op could not be judged" in text
     assert FLAT in text and "shape differs" in text
 
 

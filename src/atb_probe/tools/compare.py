@@ -366,7 +366,7 @@ def _compare(args) -> int:
     if result.finding:
         style = "bold red" if result.finding.inputs_clean else "bold yellow"
     else:
-        style = "yellow" if result.unjudged else "green"
+        style = "yellow" if result.without_metrics() else "green"
     out.print(result.verdict_text(), style=style)
     for scanned in result.scan:
         if scanned.first is not None:

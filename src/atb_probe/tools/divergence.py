@@ -68,6 +68,12 @@ class Unjudged:
     golden_op_path: str          # "" when the golden run has no counterpart
     why: str                     # `shape differs: golden (1, 4, 32), target (4, 32)`
 
+    @property
+    def paired(self) -> bool:
+        """Whether the golden run has the op (its outputs have no metrics), rather than none
+        (the op is also an unmatched entry)."""
+        return bool(self.golden_op_path)
+
     def where(self) -> str:
         """`round 0, 3_LlamaDecoderLayer` (both sides' paths when they differ)."""
         return f"round {self.round_index}, {_both(self.op_path, self.golden_op_path)}"

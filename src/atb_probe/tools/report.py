@@ -88,7 +88,7 @@ def _fmt(value) -> str:
 def _finding_box(result) -> str:
     f = result.finding
     if f is None:
-        if not result.unjudged:
+        if not result.without_metrics():
             return (f"<div class='ok'><b>No divergence.</b> No output crosses "
                     f"{_escape(result.thresholds.describe())}.</div>")
         return (f"<div class='warn'><div class='big'>No divergence among the compared "
