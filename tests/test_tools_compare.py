@@ -12,9 +12,8 @@ import torch
 from atb_probe import cli, load
 from atb_probe.statcsv import parse_shape
 from atb_probe.tools.compare import CompareError, compare_dumps
-from atb_probe.tools.comparison import PairMode
+from atb_probe.tools.comparison import PairMode, Thresholds
 from atb_probe.tools.resulttable import COLUMNS
-from atb_probe.tools.divergence import Thresholds
 from atb_probe.tools.dumpreader import open_dump
 
 from conftest import MSPROBE_MISSING, dump, generate, msprobe_executable, only_proc, tiny_llama

@@ -32,8 +32,7 @@ from typing import Generic, TypeVar
 
 from .. import layout
 from ..statcsv import parse_shape
-from . import StrEnum
-from .comparison import MatchMethod, Role
+from .comparison import MatchMethod, Role, Unmatched, UnmatchedKind
 from .dumpreader import Dump, DumpLevel, Op, Process, Round, TensorRecord
 from .opmap import OpMap
 
@@ -76,26 +75,6 @@ class OpPair:
     target: Op
     method: MatchMethod
     tensors: list[TensorPair]
-
-
-class UnmatchedKind(StrEnum):
-    """What an unmatched entry stands for."""
-
-    PROCESS = "process"
-    ROUND = "round"
-    OP = "op"                    # an op and its subtree
-    TENSOR = "tensor"
-
-
-@dataclass(slots=True)
-class Unmatched:
-    """Something only one side has: a process, a round, an op subtree or a tensor."""
-
-    side: Role                   # the side that has it
-    kind: UnmatchedKind
-    where: str                   # `0_1234/0`
-    what: str                    # the op path or tensor name
-    count: int = 1               # ops (or tensors) it stands for
 
 
 T = TypeVar("T")

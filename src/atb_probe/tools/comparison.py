@@ -1,22 +1,17 @@
-"""What a comparison of two dumps produces: one record per pair of tensors and the result as a
-whole, and the closed sets they are described by. Pure data: the pipeline (compare.py) fills
-these records, the renderers (resulttable.py for the CSV and .xlsx, report.py for the HTML page)
-read them; none of them imports another.
+"""The records every stage of a comparison shares: a pair of tensors and its result, what could
+not be paired (Unmatched), the thresholds, and the closed sets they are described by. Pure data,
+at the bottom of the pipeline: alignment (align.py), conventions (opmap.py), the verdict
+(divergence.py) and the scan (scan.py) import these records and none of them is imported here;
+result.py gathers a whole comparison for the renderers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..layout import Side
 from ..statcsv import Stats
 from . import StrEnum
 from .metrics import StatsDiff, TensorMetrics
-
-if TYPE_CHECKING:
-    from .align import Unmatched
-    from .divergence import Finding, Thresholds
-    from .scan import RoundScan
 
 
 class CompareError(Exception):
@@ -164,54 +159,49 @@ class RoundNumbers:
     target: int
 
 
+class UnmatchedKind(StrEnum):
+    """What an unmatched entry stands for."""
+
+    PROCESS = "process"
+    ROUND = "round"
+    OP = "op"                    # an op and its subtree
+    TENSOR = "tensor"
+
+    @property
+    def reason(self) -> str:
+        """Why an entry of this kind is left over, in words."""
+        return _UNMATCHED_REASONS.get(self, "")
+
+
+_UNMATCHED_REASONS = {
+    UnmatchedKind.PROCESS: "the other dump has no process left on its device",
+    UnmatchedKind.ROUND: "the other dump has no round of this number in the paired process",
+    UnmatchedKind.OP: "no op of the other dump pairs with it (by ID, name, map, or order and "
+                      "output shapes)",
+    UnmatchedKind.TENSOR: "its op is paired, but no tensor of the other op pairs with it",
+}
+
+
 @dataclass(slots=True)
-class Counts:
-    """How many rows were compared each way, and how many cross the thresholds."""
+class Unmatched:
+    """Something only one side has, left over by the alignment (align.py): a process, a round,
+    an op subtree or a tensor."""
 
-    tensor: int = 0
-    statistics: int = 0
-    no_data: int = 0
-    crossing: int = 0
+    side: Role                   # the side that has it
+    kind: UnmatchedKind
+    where: str                   # `0_1234/0`
+    what: str                    # the op path or tensor name
+    count: int = 1               # ops (or tensors) it stands for
 
 
-@dataclass(slots=True)
-class CompareResult:
-    golden: str
-    target: str
-    mode: CompareMode
-    thresholds: Thresholds
-    rows: list[PairResult]                     # in execution order: round, then target order
-    unmatched: list[Unmatched]
-    finding: Finding | None
-    rounds: list[RoundNumbers] = field(default_factory=list)
-    name_matched_ops: int = 0                  # op pairs made by name, map or order, not by ID
-    scan: list[RoundScan] = field(default_factory=list)   # of each side's compared rounds
-    jobs: int = 1
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """When a compared tensor crosses (divergence.crosses)."""
 
-    def counts(self) -> Counts:
-        counts = Counts()
-        for r in self.rows:
-            if r.mode == PairMode.TENSOR:
-                counts.tensor += 1
-            elif r.mode == PairMode.STATISTICS:
-                counts.statistics += 1
-            else:
-                counts.no_data += 1
-            counts.crossing += r.diverged is True
-        return counts
+    min_cosine: float = 0.99
+    min_ratio: float = 0.9       # One Thousandth Err Ratio
+    max_norm_err: float = 1.0    # Relative Err of Norm(%), statistics mode
 
-    def summary_lines(self) -> list[tuple[str, str]]:
-        """(item, value) lines of the summary, for the console, the .xlsx and the report."""
-        c = self.counts()
-        rounds = ", ".join(f"{r.golden}~{r.target}" if r.golden != r.target else str(r.golden)
-                           for r in self.rounds)
-        return [("golden", self.golden), ("target", self.target),
-                ("rounds compared", rounds or "none"),
-                ("tensors compared", str(len(self.rows))),
-                ("tensor mode", str(c.tensor)), ("statistics mode", str(c.statistics)),
-                ("no data", str(c.no_data)), ("crossing the thresholds", str(c.crossing)),
-                ("ops paired by name, map or order (structures differ)",
-                 str(self.name_matched_ops)),
-                ("unmatched entries", str(len(self.unmatched))),
-                ("thresholds", self.thresholds.describe()),
-                ("first divergence", self.finding.summary() if self.finding else "none")]
+    def describe(self) -> str:
+        return (f"cosine < {self.min_cosine:g} or 1‰-ratio < {self.min_ratio:g} (tensor mode); "
+                f"relative norm error > {self.max_norm_err:g}% (statistics mode)")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import csv
 
 from ..statcsv import NA
-from .comparison import CompareResult, PairResult, Role
+from .comparison import PairResult, Role
+from .result import CompareResult
 
 RESULT_CSV = "atb_compare_result.csv"
 RESULT_XLSX = "atb_compare_result.xlsx"
