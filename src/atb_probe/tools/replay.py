@@ -640,7 +640,7 @@ def _replay(args) -> int:
         jobs, line = start_at_divergence(jobs, args.golden, args.target, n_jobs)
         print(line)
     results = replay_all(jobs, settings, n_jobs, stop_at_culprit=args.until_culprit)
-    _print(results, args.verbose, settings)
+    _print(results, args.verbose, settings, culprit_line=args.until_culprit)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump([r.as_dict() for r in results], f, indent=1, allow_nan=True)
@@ -667,13 +667,18 @@ def _replay(args) -> int:
     return 1 if culprit is not None else 0
 
 
-def _print(results: list[KernelResult], verbose: bool, settings: ReplaySettings) -> None:
+def _print(results: list[KernelResult], verbose: bool, settings: ReplaySettings,
+           culprit_line: bool) -> None:
+    """A line per kernel with a finding (all with `verbose`), the kernels not replayed (three
+    per reason unless `verbose`), and the counts; the culprit is left to its own line."""
     counts = defaultdict(int)
     skipped = defaultdict(list)
     for r in results:
         counts[r.verdict] += 1
         if r.verdict == Verdict.SKIPPED:
             skipped[r.reason].append(r)
+        elif culprit_line and r.verdict == Verdict.INTRODUCED:
+            continue
         elif verbose or r.verdict != Verdict.CLEAN:
             print(r.summary())
     for reason, group in skipped.items():
