@@ -18,7 +18,7 @@ from torch import nn
 
 from atb_probe.tools.replay import Bound, judge
 
-from conftest import Root, dump, only_proc
+from conftest import Root, dump
 from harness import cli, clean_env, config, run_loaded
 
 # layers[1].self_attn.v_proj's matrix product in the prompt round
@@ -139,10 +139,14 @@ def test_a_plain_bf16_run_introduces_nothing(bf16, tmp_path):
 
 def test_one_kernel_is_selected_by_id_or_path(faulty, tmp_path):
     for op in (CULPRIT_ID, CULPRIT):
-        out = replay(faulty, op, "-j", "1", "--json", tmp_path / "r.json")
+        out = replay(faulty, op, "-j", "1", "--device", "cpu", "--json", tmp_path / "r.json")
         assert out.returncode == 1, out.stdout + out.stderr
-        assert list(results(tmp_path / "r.json")) == [CULPRIT]
+        found = results(tmp_path / "r.json")
+        assert list(found) == [CULPRIT]
+        # The rerun on the device (here the CPU again) is 10% off the recorded product too.
+        assert found[CULPRIT]["outputs"][0]["device_metrics"]["max_rel_err"] > 0.09
     out = replay(faulty, "3_1_6", "-j", "1", "--json", tmp_path / "r.json")
+    assert "3_1_6 is a module op" in out.stdout and "the 4 kernel(s) below it" in out.stdout
     assert list(results(tmp_path / "r.json")) == [
         f"3_LlamaDecoderLayer/1_LlamaAttention/6_Linear/{k}"
         for k in ("0_TKernel", "1_ViewKernel", "2_MmKernel", "3_UnsafeViewKernel")]
@@ -153,8 +157,7 @@ def test_one_kernel_is_selected_by_id_or_path(faulty, tmp_path):
 def _torch_only_env() -> dict:
     """An environment where Python finds torch and numpy (its site-packages, without the .pth
     files that make atb_probe importable) and nothing of atb_probe."""
-    env = clean_env(PYTHONPATH=sysconfig.get_paths()["purelib"])
-    return env
+    return clean_env(PYTHONPATH=sysconfig.get_paths()["purelib"])
 
 
 def test_export_gives_a_reproducer_that_needs_only_torch_and_numpy(faulty, golden, tmp_path):

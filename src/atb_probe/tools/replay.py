@@ -38,6 +38,7 @@ followed), random ops, ops without a schema here, allocations, collectives, ops 
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -53,7 +54,7 @@ from . import StrEnum
 from .align import align_dumps
 from .comparison import CompareError, PairResult, TensorRef
 from .divergence import Thresholds, crosses
-from .dumpreader import Dump, DumpError, Round, open_dump
+from .dumpreader import Dump, DumpError, open_dump
 from .jobs import default_jobs, worker_pool
 from .metrics import TensorMetrics
 
@@ -312,10 +313,15 @@ def replay_kernel(job: KernelJob, settings: ReplaySettings) -> KernelResult:
         return KernelResult(job, op, Verdict.SKIPPED, str(exc.reason), exc.detail)
     result = KernelResult(job, op, Verdict.CLEAN)
     recorded = {f.name: f for f in job.outputs}
-    for i, entry in enumerate(call["outputs"]):
-        result.outputs.append(_output_error(entry["name"], recorded.get(entry["name"]), param,
-                                            {k: v[i] for k, v in runs.items()}, settings))
-    _inherited(result, param.inputs, settings.thresholds)
+    try:
+        for i, entry in enumerate(call["outputs"]):
+            result.outputs.append(_output_error(entry["name"], recorded.get(entry["name"]),
+                                                param, {k: v[i] for k, v in runs.items()},
+                                                settings))
+        _inherited(result, param.inputs, settings.thresholds)
+    except Exception as exc:  # one kernel's odd output must not end the whole replay
+        return KernelResult(job, op, Verdict.SKIPPED, str(SkipReason.FAILED),
+                            f"comparing its outputs raised {type(exc).__name__}: {exc}")
     _decide(result)
     return result
 
@@ -438,7 +444,7 @@ def _decide(result: KernelResult) -> None:
     if not any(o.judgement for o in result.outputs):
         notes = "; ".join(f"{o.name}: {o.note}" for o in result.outputs if o.note)
         result.verdict, result.reason = Verdict.SKIPPED, "nothing to compare"
-        result.detail = notes or "it has no output"
+        result.detail = notes or "it returns no tensor"
         return
     if not any(o.total is not None and o.total.diverged for o in result.outputs):
         return
@@ -570,7 +576,7 @@ def register(sub) -> None:
         epilog="examples:\n  atb-probe replay bf16 --until-culprit\n"
                "  atb-probe replay bf16 --golden fp32 3_1_6_2 --export repro_mm\n"
                "  python repro_mm/repro.py --device cuda:0",
-        formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="the dump to check (root, <dev>_<pid> or round folder)")
     p.add_argument("op", nargs="?", default=None,
                    help="a kernel by op ID (3_1_6_2) or path (3_LlamaDecoderLayer/.../"
@@ -627,6 +633,9 @@ def _replay(args) -> int:
                   "as 3_1_6_2 or a path below the round; kernels are dumped with save_child)",
                   file=sys.stderr)
             return 2
+        if len(jobs) > 1 or args.op.rstrip("/") not in (jobs[0].op_id, jobs[0].op_path):
+            print(f"{args.op} is a module op: a module is not replayed as a whole; replaying "
+                  f"the {len(jobs)} kernel(s) below it")
     if not jobs:
         print("atb-probe replay: TARGET holds no kernel: dump with save_child true (and task "
               "tensor or all)", file=sys.stderr)
