@@ -43,10 +43,12 @@ class CannotReplay(Exception):
 
 
 # Ops whose result depends on the input's storage (its strides and offset), which the dump
-# does not hold: it holds the values of the view.
+# does not hold (it holds the values of the view), or on its bytes, which a float64 reference
+# does not keep.
 _STORAGE_OPS = frozenset({"aten.as_strided.default", "aten.as_strided_.default",
                           "aten.as_strided_scatter.default", "aten.set_.source_Storage",
-                          "aten.set_.source_Storage_storage_offset", "aten.set_.source_Tensor"})
+                          "aten.set_.source_Storage_storage_offset", "aten.set_.source_Tensor",
+                          "aten.view.dtype"})
 _COLLECTIVES = ("c10d.", "_c10d_functional.")
 _UNRENDERED = re.compile(r"^<.*>$|\.\.\.$")   # tensors.py `_plain` of an object it cannot write
 _NON_FINITE = {"inf", "-inf", "nan"}
@@ -77,7 +79,7 @@ def build_call(param: KernelParam) -> dict:
         raise CannotReplay(SkipReason.COLLECTIVE, "a collective needs the other ranks")
     if param.op in _STORAGE_OPS:
         raise CannotReplay(SkipReason.STORAGE, "it reads its input's storage (strides, "
-                           "offset), and the dump holds only the values of the view")
+                           "offset) or bytes, not only its values")
     op = resolve_op(param.op)
     if op is None:
         raise CannotReplay(SkipReason.UNKNOWN_OP, f"{param.op} has no schema in this process "

@@ -54,7 +54,7 @@ from . import StrEnum
 from .align import align_dumps
 from .comparison import CompareError, PairResult, TensorRef
 from .divergence import Thresholds, crosses
-from .dumpreader import Dump, DumpError, open_dump
+from .dumpreader import Dump, DumpError, DumpLevel, open_dump
 from .jobs import default_jobs, worker_pool
 from .metrics import TensorMetrics
 
@@ -620,10 +620,15 @@ def _replay(args) -> int:
     try:
         target = open_dump(args.target)
         golden = open_dump(args.golden) if args.golden else None
-        jobs = kernel_jobs(target, golden)
-    except (DumpError, CompareError) as exc:
+    except DumpError as exc:
         print(f"atb-probe replay: {exc}", file=sys.stderr)
         return 2
+    if golden is not None and (golden.kind == DumpLevel.ROUND) != (target.kind == DumpLevel.ROUND):
+        print(f"atb-probe replay: GOLDEN is a {golden.kind} folder but TARGET is a "
+              f"{target.kind} folder: give two round folders, or two dump roots / process "
+              "folders", file=sys.stderr)
+        return 2
+    jobs = kernel_jobs(target, golden)
     if args.round is not None:
         jobs = [j for j in jobs if j.round_index == args.round]
     if args.op:
@@ -646,7 +651,11 @@ def _replay(args) -> int:
         return 2
     settings = ReplaySettings(Bound(args.margin, args.ulps), args.device, tuple(args.imports))
     if args.until_culprit and golden is not None:
-        jobs, line = start_at_divergence(jobs, args.golden, args.target, n_jobs)
+        try:
+            jobs, line = start_at_divergence(jobs, args.golden, args.target, n_jobs)
+        except CompareError as exc:
+            print(f"atb-probe replay: {exc}", file=sys.stderr)
+            return 2
         print(line)
     results = replay_all(jobs, settings, n_jobs, stop_at_culprit=args.until_culprit)
     _print(results, args.verbose, settings, culprit_line=args.until_culprit)
