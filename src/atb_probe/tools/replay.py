@@ -623,7 +623,8 @@ def _replay(args) -> int:
     except DumpError as exc:
         print(f"atb-probe replay: {exc}", file=sys.stderr)
         return 2
-    if golden is not None and (golden.kind == DumpLevel.ROUND) != (target.kind == DumpLevel.ROUND):
+    if golden is not None and \
+            (golden.kind == DumpLevel.ROUND) != (target.kind == DumpLevel.ROUND):
         print(f"atb-probe replay: GOLDEN is a {golden.kind} folder but TARGET is a "
               f"{target.kind} folder: give two round folders, or two dump roots / process "
               "folders", file=sys.stderr)
