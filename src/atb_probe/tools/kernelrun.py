@@ -24,7 +24,7 @@ Widened to float64 (the reference), every floating tensor and every floating dty
 becomes float64; the few arguments that only make sense for a narrow dtype are set as
 `WIDENED_ARGS` says.
 
-    python repro.py [--device cuda:0]
+    python repro.py [--device cuda:0] [--import torch_npu]
 """
 from __future__ import annotations
 
@@ -182,7 +182,12 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", help="where to rerun it (default cpu)")
     parser.add_argument("--call", default=None, help="the call description (default: "
                         "call.json next to this script)")
+    parser.add_argument("--import", dest="imports", action="append", default=[],
+                        metavar="MODULE", help="import MODULE first: a device's torch backend "
+                        "(torch_npu) or the library of a custom op (repeatable)")
     args = parser.parse_args(argv)
+    for name in args.imports:
+        __import__(name)
     path = args.call or os.path.join(os.path.dirname(os.path.abspath(__file__)), "call.json")
     folder = os.path.dirname(os.path.abspath(path))
     with open(path, encoding="utf-8") as f:
