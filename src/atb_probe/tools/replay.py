@@ -598,6 +598,13 @@ def register(sub) -> None:
                         f"(default {MARGIN:g})")
     p.add_argument("--ulps", type=float, default=ULPS,
                    help=f"units in the last place always allowed (default {ULPS:g})")
+    d = Thresholds()
+    p.add_argument("--min-cosine", type=float, default=d.min_cosine, metavar="C",
+                   help=f"with --golden: a tensor with cosine below C differs from the golden's "
+                        f"(default {d.min_cosine}, as compare)")
+    p.add_argument("--min-ratio", type=float, default=d.min_ratio, metavar="R",
+                   help="with --golden: a tensor whose share of elements within 1‰ relative "
+                        f"error is below R differs (default {d.min_ratio}; 0 turns it off)")
     p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                    help=f"worker processes (default: the cores available, here "
                         f"{default_jobs()})")
@@ -650,7 +657,8 @@ def _replay(args) -> int:
         print(f"atb-probe replay: --export writes one kernel, and {len(jobs)} are selected: "
               "name one by its op ID, or add --until-culprit", file=sys.stderr)
         return 2
-    settings = ReplaySettings(Bound(args.margin, args.ulps), args.device, tuple(args.imports))
+    settings = ReplaySettings(Bound(args.margin, args.ulps), args.device, tuple(args.imports),
+                              Thresholds(args.min_cosine, args.min_ratio))
     if args.until_culprit and golden is not None:
         try:
             jobs, line = start_at_divergence(jobs, args.golden, args.target, n_jobs)
