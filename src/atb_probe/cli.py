@@ -17,7 +17,8 @@ import atb_probe  # noqa: E402
 # Our own tools never dump themselves, even when started from a shell that loaded the probe.
 atb_probe._suppressed = True
 
-SUBCOMMANDS = ("where", "run", "demo", "status", "show", "parse", "compare", "scan")
+SUBCOMMANDS = ("where", "run", "demo", "status", "show", "parse", "compare", "scan",
+               "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:
