@@ -52,8 +52,8 @@ from .. import layout
 from ..layout import Side
 from . import StrEnum
 from .align import align_dumps
-from .comparison import CompareError, PairResult, TensorRef
-from .divergence import Thresholds, crosses
+from .comparison import CompareError, PairResult, TensorRef, Thresholds
+from .divergence import crosses
 from .dumpreader import Dump, DumpError, DumpLevel, open_dump
 from .jobs import default_jobs, worker_pool
 from .metrics import TensorMetrics
