@@ -16,6 +16,7 @@ from .metrics import StatsDiff, TensorMetrics
 if TYPE_CHECKING:
     from .align import Unmatched
     from .divergence import Finding, Thresholds
+    from .opmap import Derivation
     from .scan import RoundScan
 
 
@@ -85,13 +86,17 @@ class TensorRef:
     order: int                   # position in its round, execution order
     layer: str                   # `2_LlamaDecoderLayer`
     io: Side
+    parts: tuple[TensorRef, ...] = ()   # a derived tensor: the tensors it is computed from
+    derive: Derivation | None = None    # and how (opmap.py)
 
     @classmethod
     def of(cls, record) -> TensorRef:
-        """The ref of a dumpreader.TensorRecord."""
+        """The ref of a dumpreader.TensorRecord or of an opmap.DerivedTensor."""
+        parts = getattr(record, "parts", ())
         return cls(record.data_name, record.round.process.name, record.round.index,
                    record.dtype, record.shape, record.stats, record.path, record.order,
-                   record.layer, record.io)
+                   record.layer, record.io, tuple(cls.of(p) for p in parts),
+                   getattr(record, "derive", None))
 
 
 @dataclass(slots=True)
@@ -187,6 +192,7 @@ class CompareResult:
     name_matched_ops: int = 0                  # op pairs made by name, map or order, not by ID
     scan: list[RoundScan] = field(default_factory=list)   # of each side's compared rounds
     jobs: int = 1
+    conventions: str = ""                      # the op map in force: `vLLM against ... (built in)`
 
     def counts(self) -> Counts:
         counts = Counts()
@@ -212,6 +218,9 @@ class CompareResult:
                 ("no data", str(c.no_data)), ("crossing the thresholds", str(c.crossing)),
                 ("ops paired by name, map or order (structures differ)",
                  str(self.name_matched_ops)),
-                ("unmatched entries", str(len(self.unmatched))),
+                ("conventions", self.conventions or "none"),
+                ("unmatched entries", str(sum(1 for u in self.unmatched if not u.expected))),
+                ("no counterpart by convention",
+                 str(sum(1 for u in self.unmatched if u.expected))),
                 ("thresholds", self.thresholds.describe()),
                 ("first divergence", self.finding.summary() if self.finding else "none")]
