@@ -271,8 +271,9 @@ class _TreeAligner:
             side, node = (Role.GOLDEN, g) if g.op is not None else (Role.TARGET, t)
             out.unmatched.append(Unmatched(side, UnmatchedKind.OP, self.where.of(side),
                                            node.path + " (tensors)", len(node.op.tensors)))
-        if group:
-            # Below a fused op and the ops it fuses: each side's own implementation.
+        if group or (self.left is not None and {g.name, t.name} & self.opmap.opaque):
+            # Below a fused op and the ops it fuses, or an op the map compares as a whole:
+            # each side's own implementation.
             for side, nodes in ((Role.GOLDEN, [g]), (Role.TARGET, [t])):
                 if side != self.left:
                     nodes = [n for n in group if n is not g and n is not t] + nodes
@@ -353,7 +354,7 @@ class _TreeAligner:
         rules = None
         if self.left is not None:
             left, right = (g, t) if self.left == Role.GOLDEN else (t, g)
-            rules = self.opmap.tensors.get(left.name)
+            rules = self.opmap.rules(left.name, right.name)
         if rules is not None:
             modules = {n.attr: n.op for n in group if n.attr and n.op is not None}
             pairs = []

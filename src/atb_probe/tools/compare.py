@@ -37,7 +37,7 @@ from .divergence import Finding, OpRows, Thresholds, crosses, first_divergence
 from .dumpreader import DumpError, DumpLevel, NoData, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import array_stats, compare_arrays, stats_metrics
-from .conventions import choose
+from .conventions import choose, op_names
 from .opmap import OpMap, load_map
 from .scan import scan_compared
 
@@ -84,7 +84,7 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
         raise CompareError(
             f"GOLDEN is a {g_dump.kind} folder but TARGET is a {t_dump.kind} folder: give two "
             "round folders (data/<dev>_<pid>/<round>), or two dump roots / process folders")
-    chosen = choose(g_dump, t_dump, opmap, automatic=conventions)
+    chosen = choose(op_names(g_dump), op_names(t_dump), opmap, automatic=conventions)
     alignment: Alignment = align_dumps(g_dump, t_dump, chosen and chosen.opmap,
                                        chosen and chosen.left)
     work: list[RefPair] = []

@@ -21,9 +21,11 @@ as data. Its two sides are called *left* and *right*; either dump may be GOLDEN:
       - .rotary_emb
     kernels: false                      # below two ops paired by the map, pair modules only
     fused:                              # a left child module (by attribute name) that computes
-      qkv_proj: [q_proj, k_proj, v_proj]    # several right ones
-    tensors:                            # a left op name: [left tensor, right tensor] pairs
-      LlamaDecoderLayer:
+      qkv_proj: [q_proj, k_proj, v_proj]    # several right ones (one: the same module renamed)
+      block_sparse_moe: [mlp]
+    opaque: [MixtralMoE]                # ops compared as a whole: their children are not paired
+    tensors:                            # a left op name (or `Left:Right`, for that pair only):
+      LlamaDecoderLayer:                # [left tensor, right tensor] pairs
         - [{sum: [input.1, input.2]}, input.0]
         - [{sum: [output.0, output.1]}, output.0]
       QKVParallelLinear:
@@ -48,8 +50,9 @@ from tensors of its op before it is compared:
 - `{slice: a, dim: -1, start: 0, stop: 128}`: a part of one tensor.
 
 An op with a `tensors` entry is compared by those pairs only; its other tensors, the ops that
-`none` names, and (with `kernels: false`) the kernels below two ops the map paired are listed
-as having no counterpart by convention, not as unmatched. Which dump is the left side: the one
+`none` names, the children of a fused pair or of an `opaque` op, and (with `kernels: false`) the
+kernels below two ops the map paired are listed as having no counterpart by convention, not as
+unmatched. Which dump is the left side: the one
 holding a `recognise.left` name (and, when given, the other holding a `recognise.right` one);
 without `recognise`, the one holding names that only the left of `ops` has.
 
@@ -73,7 +76,8 @@ from . import StrEnum
 from .comparison import CompareError, Role
 from .dumpreader import Op, TensorRecord
 
-_KEYS = {"name", "sides", "recognise", "ops", "none", "kernels", "fused", "tensors", "outputs"}
+_KEYS = {"name", "sides", "recognise", "ops", "none", "kernels", "fused", "opaque", "tensors",
+         "outputs"}
 _TENSOR = re.compile(r"(?:(\w+)/)?(input|output)\.(\w+)")
 
 
@@ -228,6 +232,7 @@ class OpMap:
     none: frozenset = frozenset()                  # op names and `.attr` module names
     kernels: bool = True
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # left attr -> right attrs
+    opaque: frozenset = frozenset()                # op names compared without their children
     tensors: dict[str, tuple[TensorRule, ...]] = field(default_factory=dict)
     source: str = ""                               # the file, or `built in`
     _groups: dict[str, str] = field(init=False, repr=False, compare=False)
@@ -272,6 +277,10 @@ class OpMap:
         return name in self.none or (
             module is not None and "." + module.rsplit(".", 1)[-1] in self.none)
 
+    def rules(self, left: str, right: str) -> tuple[TensorRule, ...] | None:
+        """The tensor pairs of a left op and a right op, when the map has them."""
+        return self.tensors.get(f"{left}:{right}") or self.tensors.get(left)
+
     def left_role(self, golden: set[str], target: set[str]) -> Role | None:
         """Which dump, by the op names it holds, is the map's left side; None: neither is
         (or both are) by the map's `recognise` (else by the names only the left of `ops`
@@ -305,7 +314,7 @@ def _merged(base: OpMap, user: OpMap) -> OpMap:
         sides=user.sides if user.sides != ("left", "right") else base.sides,
         recognise=user.recognise if any(user.recognise) else base.recognise,
         none=base.none | user.none, kernels=base.kernels and user.kernels,
-        fused={**base.fused, **user.fused}, tensors={**base.tensors, **user.tensors},
+        fused={**base.fused, **user.fused}, opaque=base.opaque | user.opaque, tensors={**base.tensors, **user.tensors},
         source=f"{base.source} and {user.source}")
 
 
@@ -362,6 +371,9 @@ def _build(doc: dict, source: str) -> OpMap:
             isinstance(k, str) and _strings(v) and v for k, v in fused.items()):
         raise ValueError("'fused' maps a module name to a list of module names, e.g. "
                          "qkv_proj: [q_proj, k_proj, v_proj]")
+    opaque = doc.get("opaque") or []
+    if not _strings(opaque):
+        raise ValueError("'opaque' is a list of op names")
     tensors = doc.get("tensors") or {}
     if not isinstance(tensors, dict):
         raise ValueError("'tensors' maps op names to lists of [left, right] tensor pairs")
@@ -381,8 +393,8 @@ def _build(doc: dict, source: str) -> OpMap:
         raise ValueError("'name' is a text")
     return OpMap(dict(ops), parsed, name, tuple(sides),
                  (frozenset(recognise.get("left") or ()), frozenset(recognise.get("right") or ())),
-                 frozenset(none), kernels, {k: tuple(v) for k, v in fused.items()}, rules,
-                 source)
+                 frozenset(none), kernels, {k: tuple(v) for k, v in fused.items()},
+                 frozenset(opaque), rules, source)
 
 
 def _strings(value) -> bool:

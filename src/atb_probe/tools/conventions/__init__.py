@@ -39,11 +39,11 @@ def op_names(dump: Dump) -> set[str]:
     return {name for rnd in dump.rounds for op in rnd.ops for name in op.op_name.split("/")}
 
 
-def choose(golden: Dump, target: Dump, user: OpMap | None = None,
+def choose(g_names: set[str], t_names: set[str], user: OpMap | None = None,
            automatic: bool = True) -> Chosen | None:
-    """The map for two dumps: the built-in one that recognises them (when `automatic`), with
-    the `user` map's entries over it; None when there is neither."""
-    g_names, t_names = op_names(golden), op_names(target)
+    """The map for two dumps holding these op names (`op_names`): the built-in one that
+    recognises them (when `automatic`), with the `user` map's entries over it; None when
+    there is neither."""
     base = None
     if automatic:
         base = next((m for m in built_in() if m.left_role(g_names, t_names) is not None), None)
