@@ -274,14 +274,17 @@ def _scan(result: CompareResult) -> str:
 def _unmatched(result) -> str:
     if not result.unmatched:
         return "<h2>Unmatched</h2><p>Everything was matched.</p>"
+    listed = sorted(result.unmatched, key=lambda u: u.expected)[:MAX_TABLE_ROWS]
     body = "".join(f"<tr><td>{_escape(u.side)}</td><td>{_escape(u.kind)}</td>"
                    f"<td>{_escape(u.where)}</td><td><code>{_escape(u.what)}</code></td>"
-                   f"<td>{u.count}</td></tr>"
-                   for u in result.unmatched[:MAX_TABLE_ROWS])
+                   f"<td>{u.count}</td><td>{'no counterpart by convention' if u.expected else ''}"
+                   "</td></tr>"
+                   for u in listed)
     return ("<h2>Unmatched</h2><p>Present in one dump only (the two runs executed different ops "
-            "there, or were dumped with different filters).</p><table class='grid'><tr>"
-            "<th>only in</th><th>kind</th><th>where</th><th>what</th><th>count</th></tr>"
-            f"{body}</table>")
+            "there, or were dumped with different filters), or, by the op map's conventions, "
+            "without a counterpart.</p><table class='grid'><tr>"
+            "<th>only in</th><th>kind</th><th>where</th><th>what</th><th>count</th><th>why</th>"
+            f"</tr>{body}</table>")
 
 
 def _table(result) -> str:
