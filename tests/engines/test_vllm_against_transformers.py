@@ -21,6 +21,9 @@ from vllm_harness import (HERE, engine_env, offline, probe_cli, tiny_model,  # n
 from atb_probe.tools.compare import compare_dumps  # noqa: E402
 
 __all__ = ["tiny_model", "vllm_cache"]  # fixtures
+# A test's setup runs the golden run and a vLLM engine: more than the suite's 600 s on a loaded
+# machine.
+pytestmark = pytest.mark.timeout(1800)
 
 GOLDEN_SCRIPT = HERE / "hf_generate.py"
 DUMP = config(task="tensor", save_child=True)

@@ -242,7 +242,8 @@ class OpMap:
         self._groups = self._group_names()
 
     def _group_names(self) -> dict[str, str]:
-        """Each name the map pairs: the name its group shares (the group's first right name)."""
+        """Each name the map pairs: the one name of its group (names paired with each other,
+        directly or through a third) that stands for all of them, a right-hand name."""
         parent: dict[str, str] = {}
 
         def find(x: str) -> str:
