@@ -28,6 +28,11 @@ def prompt() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory):
+    return golden_dump(tmp_path_factory.mktemp("golden"))
+
+
+def golden_dump(tmp, cfg: dict = DUMP):
+    """transformers' generate of the prompt: its dump and its tokens."""
     model = tiny_llama()
     out = {}
 
@@ -37,11 +42,10 @@ def golden(tmp_path_factory):
             ids = model.generate(ids, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
         out["tokens"] = ids[0, 6:].tolist()
-    root = dump(tmp_path_factory.mktemp("golden"), DUMP, run)
-    return root, out["tokens"]
+    return dump(tmp, cfg, run), out["tokens"]
 
 
-def vllm_dump(tmp, perturb: float = 0.0):
+def vllm_dump(tmp, perturb: float = 0.0, cfg: dict = DUMP):
     """The vLLM-style Llama on the golden's weights, layer 1's down_proj weight changed by
     `perturb` times its spread: its dump and its tokens."""
     engine = vllm_like.LlamaForCausalLM(tiny_llama())
@@ -51,8 +55,8 @@ def vllm_dump(tmp, perturb: float = 0.0):
             w += torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * w.std() \
                 * perturb
     out = {}
-    root = dump(tmp, DUMP, lambda: out.update(tokens=vllm_like.generate(engine, prompt(),
-                                                                          NEW_TOKENS)))
+    root = dump(tmp, cfg, lambda: out.update(tokens=vllm_like.generate(engine, prompt(),
+                                                                         NEW_TOKENS)))
     return root, out["tokens"]
 
 
@@ -121,6 +125,18 @@ def test_a_perturbed_mlp_weight_is_named_with_its_layer_and_module(golden, tmp_p
     result = compare_dumps(str(golden[0]), str(root))
     f = result.finding
     assert (f.round_index, f.op_path, f.golden_op_path) == (0, *DOWN_PROJ), f.summary()
+    assert f.inputs_clean
+
+
+def test_without_save_child_the_verdict_names_the_layer(tmp_path):
+    layers_only = config(task="tensor", filter_level=1)
+    g_root, g_tokens = golden_dump(tmp_path / "golden", layers_only)
+    t_root, t_tokens = vllm_dump(tmp_path / "target", 0.01, layers_only)
+    assert t_tokens == g_tokens
+    f = compare_dumps(str(g_root), str(t_root)).finding
+    assert (f.round_index, f.op_path, f.golden_op_path, f.row.name) == (
+        0, "2_LlamaDecoderLayer", "3_LlamaDecoderLayer",
+        "2_LlamaDecoderLayer/output.0+output.1"), f.summary()
     assert f.inputs_clean
 
 
