@@ -42,8 +42,8 @@ def op(op_id: str, op_name: str, *tensors: tuple[str, str]) -> Op:
 # -- the format ---------------------------------------------------------------------------------
 
 def test_a_map_of_only_ops_and_outputs_reads_as_before(tmp_path):
-    m = load_map(write(tmp_path, "ops: {Prefill_layer: LlamaDecoderLayer, "
-                                 "Decoder_layer: LlamaDecoderLayer}\noutputs: {Prefill_layer: {0: 0}}\n"))
+    m = load_map(write(tmp_path, "ops: {Prefill_layer: LlamaDecoderLayer, Decoder_layer: "
+                                 "LlamaDecoderLayer}\noutputs: {Prefill_layer: {0: 0}}\n"))
     assert m.canonical("Prefill_layer") == m.canonical("Decoder_layer") == "LlamaDecoderLayer"
     assert m.output_pairs("LlamaDecoderLayer", "Prefill_layer") == {0: 0}
     assert not m.tensors and not m.none and m.kernels

@@ -6,6 +6,7 @@ perturbed MLP weight's layer and module."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -102,11 +103,12 @@ def test_same_weights_compare_with_no_flags_finds_no_divergence_in_any_layer(
     assert all(r.target.data_name.endswith("/output.0+output.1") for r in outputs)
     names = {r.golden.data_name.split("/", 1)[1] for r in result.rows if r.round_index == 0}
     for inside in ("0_LlamaRMSNorm/output.0", "1_LlamaAttention/output.0",
-                   "1_LlamaAttention/33_Linear/output.0", "3_LlamaRMSNorm/output.0",
-                   "4_LlamaMLP/output.0", "4_LlamaMLP/4_Linear/output.0",
+                   "3_LlamaRMSNorm/output.0", "4_LlamaMLP/output.0", "4_LlamaMLP/4_Linear/output.0",
                    "1_LlamaAttention/0_Linear/cat(q_proj:output.0,k_proj:output.0,v_proj:output.0)",
                    "4_LlamaMLP/0_Linear/cat(gate_proj:output.0,up_proj:output.0)"):
         assert inside in names, inside
+    # o_proj: the attention's last Linear (its ID counts the kernels before it).
+    assert any(re.fullmatch(r"1_LlamaAttention/\d+_Linear/output\.0", n) for n in names)
     assert all(r.metrics.cosine is not None for r in result.rows if r.target.shape != "1")
     assert not [u for u in result.unmatched if not u.expected]
     assert result.finding is None

@@ -34,7 +34,7 @@ from .. import layout
 from ..statcsv import parse_shape
 from . import StrEnum
 from .comparison import MatchMethod, Role
-from .dumpreader import Dump, DumpLevel, Op, Process, Round, TensorRecord
+from .dumpreader import Dump, DumpLevel, Op, Process, Round
 from .opmap import OpMap, Tensor, resolve
 
 

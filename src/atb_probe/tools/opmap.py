@@ -315,7 +315,8 @@ def _merged(base: OpMap, user: OpMap) -> OpMap:
         sides=user.sides if user.sides != ("left", "right") else base.sides,
         recognise=user.recognise if any(user.recognise) else base.recognise,
         none=base.none | user.none, kernels=base.kernels and user.kernels,
-        fused={**base.fused, **user.fused}, opaque=base.opaque | user.opaque, tensors={**base.tensors, **user.tensors},
+        fused={**base.fused, **user.fused}, opaque=base.opaque | user.opaque,
+        tensors={**base.tensors, **user.tensors},
         source=f"{base.source} and {user.source}")
 
 
