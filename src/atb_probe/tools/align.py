@@ -20,6 +20,14 @@ ops of different names, children are paired only by name or by the map. The tens
 of different names are paired by shape: outputs index to index (or as the map says), inputs in
 call order, each with the first unused input of the other side of the same shape.
 
+When the op map's conventions apply (its sides are known: `conventions.choose`), the map says
+what differs and this module asks it: ops with no counterpart are left out of the pairing (and
+listed as such); below two ops of different implementations, child modules pair by the last
+part of their module paths (a fused module with the modules it computes, by the map's `fused`),
+kernels are left out when the map says so, the rest pair by name; fused and `opaque` ops are not
+looked inside; and the tensors of an op with a `tensors` entry are the pairs it lists, derived
+tensors included (`opmap.resolve`).
+
 Match methods (comparison.MatchMethod), as the `Match` column shows them: `id`, `name`, `map`
 (the map made the pair, here or above), `order` (execution order and shapes made the pair, here
 or above).
