@@ -20,6 +20,14 @@ ops of different names, children are paired only by name or by the map. The tens
 of different names are paired by shape: outputs index to index (or as the map says), inputs in
 call order, each with the first unused input of the other side of the same shape.
 
+When the op map's conventions apply (its sides are known: `conventions.choose`), the map says
+what differs and this module asks it: ops with no counterpart are left out of the pairing (and
+listed as such); below two ops of different implementations, child modules pair by the last
+part of their module paths (a fused module with the modules it computes, by the map's `fused`),
+kernels are left out when the map says so, the rest pair by name; fused and `opaque` ops are not
+looked inside; and the tensors of an op with a `tensors` entry are the pairs it lists, derived
+tensors included (`opmap.resolve`).
+
 Match methods (comparison.MatchMethod), as the `Match` column shows them: `id`, `name`, `map`
 (the map made the pair, here or above), `order` (execution order and shapes made the pair, here
 or above).
@@ -33,8 +41,8 @@ from typing import Generic, TypeVar
 from .. import layout
 from ..statcsv import parse_shape
 from .comparison import MatchMethod, Role, Unmatched, UnmatchedKind
-from .dumpreader import Dump, DumpLevel, Op, Process, Round, TensorRecord
-from .opmap import OpMap
+from .dumpreader import Dump, DumpLevel, Op, Process, Round
+from .opmap import OpMap, Tensor, resolve
 
 
 @dataclass(slots=True)
@@ -47,6 +55,12 @@ class OpNode:
     path: str                    # `2_LlamaDecoderLayer/1_LlamaAttention`
     op: Op | None = None
     children: list[OpNode] = field(default_factory=list)
+    module: str | None = None    # its module path, when the structure files give one
+
+    @property
+    def attr(self) -> str | None:
+        """The last part of its module path (`q_proj`), None for a kernel."""
+        return self.module.rsplit(".", 1)[-1] if self.module else None
 
     def count(self) -> int:
         """Ops in this subtree that have tensors."""
@@ -60,12 +74,13 @@ class NodePair:
     golden: OpNode
     target: OpNode
     method: MatchMethod
+    group: tuple[OpNode, ...] = ()   # a fused pair: the ops of the map's right side it stands for
 
 
 @dataclass(slots=True)
 class TensorPair:
-    golden: TensorRecord
-    target: TensorRecord
+    golden: Tensor               # a recorded tensor, or one an op map derives (opmap.py)
+    target: Tensor
     method: MatchMethod          # how the ops on the way were paired
 
 
@@ -110,13 +125,15 @@ class Alignment:
         return sum(1 for r in self.rounds for o in r.ops if o.method != MatchMethod.ID)
 
 
-def align_dumps(golden: Dump, target: Dump, opmap: OpMap | None = None) -> Alignment:
-    """Pair everything pairable in two dumps opened at the same level."""
+def align_dumps(golden: Dump, target: Dump, opmap: OpMap | None = None,
+                left: Role | None = None) -> Alignment:
+    """Pair everything pairable in two dumps opened at the same level; `left`: which of them
+    is the op map's left side, when its conventions apply (conventions.choose)."""
     rounds = pair_rounds(golden, target)
     unmatched = list(rounds.unmatched)
     pairs: list[RoundPair] = []
     for g, t in rounds.pairs:
-        ops = align_rounds(g, t, opmap)
+        ops = align_rounds(g, t, opmap, left)
         pairs.append(RoundPair(g, t, ops.pairs))
         unmatched += ops.unmatched
     return Alignment(pairs, unmatched)
@@ -169,6 +186,7 @@ def _pair_processes(golden: list[Process], target: list[Process]
 def build_tree(rnd: Round) -> OpNode:
     """The round's op tree, children in ID order (which is execution order)."""
     root = OpNode("", "", "", "")
+    modules = rnd.modules.paths
     index: dict[tuple[str, ...], OpNode] = {(): root}
     for op in rnd.ops:
         ids, names = op.op_id.split("_"), op.op_name.split("/")
@@ -180,7 +198,8 @@ def build_tree(rnd: Round) -> OpNode:
                 own, name = ids[depth - 1], names[depth - 1]
                 path = layout.child_op_dir(node.path, own, name) if node.path \
                     else layout.op_folder(own, name)
-                child = OpNode(own, name, "_".join(key), path)
+                child = OpNode(own, name, "_".join(key), path,
+                               module=modules.get("_".join(key)))
                 index[key] = child
                 node.children.append(child)
             node = child
@@ -207,10 +226,11 @@ class Where:
         return self.golden if side == Role.GOLDEN else self.target
 
 
-def align_rounds(golden: Round, target: Round, opmap: OpMap | None = None) -> Paired[OpPair]:
+def align_rounds(golden: Round, target: Round, opmap: OpMap | None = None,
+                 left: Role | None = None) -> Paired[OpPair]:
     """Pairs of ops of two rounds, in the target's execution order, and what only one side
     has (each side's entries name that side's process and round)."""
-    aligner = _TreeAligner(Where(golden.where, target.where), opmap or OpMap())
+    aligner = _TreeAligner(Where(golden.where, target.where), opmap or OpMap(), left)
     out = aligner.subtrees(build_tree(golden), build_tree(target), MatchMethod.ID)
     out.pairs.sort(key=lambda p: p.target.tensors[0].order)
     return out
@@ -222,36 +242,124 @@ class _TreeAligner:
 
     where: Where
     opmap: OpMap
+    left: Role | None = None     # the side the op map's left names are on, when known
 
-    def subtrees(self, g: OpNode, t: OpNode, method: MatchMethod) -> Paired[OpPair]:
+    def subtrees(self, g: OpNode, t: OpNode, method: MatchMethod,
+                 group: tuple[OpNode, ...] = ()) -> Paired[OpPair]:
         """The op pairs of two matched nodes and of everything below them; `method`: how
-        the two were paired."""
+        the two were paired; `group`: the right side's ops a fused pair stands for."""
         out: Paired[OpPair] = Paired()
         if g.op is not None and t.op is not None:
-            tensors = self.tensors(g, t, method)
+            tensors = self.tensors(g, t, method, group)
             out.pairs.append(OpPair(g.op, t.op, method, tensors.pairs))
             out.unmatched += tensors.unmatched
         elif g.op is not None or t.op is not None:
             side, node = (Role.GOLDEN, g) if g.op is not None else (Role.TARGET, t)
             out.unmatched.append(Unmatched(side, UnmatchedKind.OP, self.where.of(side),
                                            node.path + " (tensors)", len(node.op.tensors)))
+        if group or (self.left is not None and {g.name, t.name} & self.opmap.opaque):
+            # Below a fused op and the ops it fuses, or an op the map compares as a whole:
+            # each side's own implementation.
+            for side, nodes in ((Role.GOLDEN, [g]), (Role.TARGET, [t])):
+                if side != self.left:
+                    nodes = [n for n in group if n is not g and n is not t] + nodes
+                out.unmatched += [self._expected(side, c) for n in nodes for c in n.children
+                                  if c.count()]
+            return out
+        g_kids, t_kids = g.children, t.children
+        if self.left is not None:
+            (g_kids, t_kids), expected = self._without_counterpart(g, t, method)
+            out.unmatched += expected
         if g.path == "":
-            children = _pair_layers(g.children, t.children, self.opmap)
+            children = _pair_layers(g_kids, t_kids, self.opmap)
+        elif self.left is not None and not method.same_code:
+            children = self._by_module(g_kids, t_kids)
         else:
-            children = _pair_children(g.children, t.children, self.opmap)
+            children = _pair_children(g_kids, t_kids, self.opmap)
         for pair in children:
-            out.add(self.subtrees(pair.golden, pair.target, method.looser(pair.method)))
-        paired = {id(p.golden) for p in children} | {id(p.target) for p in children}
-        for side, parent in ((Role.GOLDEN, g), (Role.TARGET, t)):
-            for node in parent.children:
+            out.add(self.subtrees(pair.golden, pair.target, method.looser(pair.method),
+                                  pair.group))
+        paired = {id(n) for p in children for n in (p.golden, p.target, *p.group)}
+        for side, kids in ((Role.GOLDEN, g_kids), (Role.TARGET, t_kids)):
+            for node in kids:
                 if id(node) not in paired and node.count():
                     out.unmatched.append(Unmatched(side, UnmatchedKind.OP, self.where.of(side),
                                                    node.path, node.count()))
         return out
 
-    def tensors(self, g: OpNode, t: OpNode, method: MatchMethod) -> Paired[TensorPair]:
+    def _expected(self, side: Role, node: OpNode) -> Unmatched:
+        """An op subtree with no counterpart by the op map's conventions."""
+        return Unmatched(side, UnmatchedKind.OP, self.where.of(side), node.path, node.count(),
+                         expected=True)
+
+    def _without_counterpart(self, g: OpNode, t: OpNode, method: MatchMethod):
+        """The children of two paired ops that may have a counterpart, per side, and the
+        others as expected entries: the ops the map's `none` names and, below two ops of
+        different implementations when the map says `kernels: false`, the kernels."""
+        kernels_too = self.opmap.kernels or method.same_code or g.path == ""
+        kept, expected = [], []
+        for side, parent in ((Role.GOLDEN, g), (Role.TARGET, t)):
+            mine = []
+            for c in parent.children:
+                if self.opmap.has_none(c.name, c.module) or (
+                        not kernels_too and c.module is None and c.name.endswith("Kernel")):
+                    if c.count():
+                        expected.append(self._expected(side, c))
+                else:
+                    mine.append(c)
+            kept.append(mine)
+        return kept, expected
+
+    def _by_module(self, golden: list[OpNode], target: list[OpNode]) -> list[NodePair]:
+        """The pairs of the children of two implementations of one op: modules by the last
+        part of their module paths (a fused module of the left side with the right side's
+        modules it computes, as the map's `fused` says), then the rest by name."""
+        left, right = (golden, target) if self.left == Role.GOLDEN else (target, golden)
+        by_attr = {c.attr: c for c in right if c.attr}
+        pairs, used = [], set()
+        for node in left:
+            fused = self.opmap.fused.get(node.attr or "")
+            group = tuple(by_attr.get(a) for a in fused) if fused else ()
+            if group and all(n is not None and id(n) not in used for n in group):
+                mate = group[0]
+            else:
+                group, mate = (), by_attr.get(node.attr) if node.attr else None
+                if mate is None or id(mate) in used:
+                    continue
+            used.update(id(n) for n in (node, mate, *group))
+            g, t = (node, mate) if self.left == Role.GOLDEN else (mate, node)
+            pairs.append(NodePair(g, t, MatchMethod.MAP, group))
+        rest = _pair_children([c for c in golden if id(c) not in used],
+                              [c for c in target if id(c) not in used], self.opmap)
+        return pairs + rest
+
+    def tensors(self, g: OpNode, t: OpNode, method: MatchMethod,
+                group: tuple[OpNode, ...] = ()) -> Paired[TensorPair]:
         """The tensors of two paired ops (nodes with tensors), in the target's order, and
         those left over."""
+        rules = None
+        if self.left is not None:
+            left, right = (g, t) if self.left == Role.GOLDEN else (t, g)
+            rules = self.opmap.rules(left.name, right.name)
+        if rules is not None:
+            modules = {n.attr: n.op for n in group if n.attr and n.op is not None}
+            pairs = []
+            for rule in rules:
+                a = resolve(rule.left, left.op, {})
+                b = resolve(rule.right, right.op, modules)
+                if a is not None and b is not None:
+                    pairs.append(TensorPair(a, b, method) if self.left == Role.GOLDEN
+                                 else TensorPair(b, a, method))
+            used = {id(x) for p in pairs for side in (p.golden, p.target)
+                    for x in getattr(side, "parts", [side])}
+            sides = [(Role.GOLDEN, g.op), (Role.TARGET, t.op)]
+            sides += [(Role.GOLDEN if self.left == Role.TARGET else Role.TARGET, n.op)
+                      for n in group if n.op is not None and n is not g and n is not t]
+            pairs.sort(key=lambda p: p.target.order)
+            return Paired(pairs, [Unmatched(side, UnmatchedKind.TENSOR, self.where.of(side),
+                                            x.data_name, expected=True)
+                                  for side, op in sides
+                                  for x in op.tensors if id(x) not in used])
         if g.name == t.name:
             pairs = _pair_tensors(g.op, t.op, method)
         else:
@@ -287,9 +395,15 @@ def _pair_children(golden: list[OpNode], target: list[OpNode], opmap: OpMap
     for block in matcher.get_matching_blocks():
         for k in range(block.size):
             a, b = golden[block.a + k], target[block.b + k]
-            pairs.append(NodePair(a, b, MatchMethod.NAME if a.name == b.name
-                                  else MatchMethod.MAP))
+            pairs.append(NodePair(a, b, _by_name(a, b, opmap)))
     return pairs
+
+
+def _by_name(a: OpNode, b: OpNode, opmap: OpMap) -> MatchMethod:
+    """How two ops paired by their names were paired: `name` when the names are equal and the
+    map does not declare the name (a name it declares on both sides is two implementations)."""
+    return MatchMethod.NAME if a.name == b.name and not opmap.names(a.name) \
+        else MatchMethod.MAP
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,12 +449,7 @@ def _pair_layers(golden: list[OpNode], target: list[OpNode], opmap: OpMap) -> li
         w = weight(i, j)
         if w and best[i][j] == best[i + 1][j + 1] + w:
             a, b = golden[i], target[j]
-            if a.name == b.name:
-                method = MatchMethod.NAME
-            elif w >= 4:                 # the map names them alike
-                method = MatchMethod.MAP
-            else:
-                method = MatchMethod.ORDER
+            method = _by_name(a, b, opmap) if w >= 4 else MatchMethod.ORDER
             pairs.append(NodePair(a, b, method))
             i, j = i + 1, j + 1
         elif best[i][j] == best[i + 1][j]:

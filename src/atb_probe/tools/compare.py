@@ -38,6 +38,7 @@ from .divergence import Finding, OpRows, crosses, judge
 from .dumpreader import DumpError, DumpLevel, NoData, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import array_stats, compare_arrays, stats_metrics
+from .conventions import choose, op_names
 from .opmap import OpMap, load_map
 from .result import CompareResult
 from .scan import scan_compared
@@ -67,11 +68,12 @@ class _OpSpan:
 
 def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMode.AUTO,
                   thresholds: Thresholds = Thresholds(), progress=None, jobs: int = 1,
-                  opmap: OpMap | None = None, batch_elements: int = BATCH_ELEMENTS
-                  ) -> CompareResult:
+                  opmap: OpMap | None = None, batch_elements: int = BATCH_ELEMENTS,
+                  conventions: bool = True) -> CompareResult:
     """Compare two dumps; `progress(total)` may return a callable advanced by a count of
     tensor pairs as they are done. `jobs` > 1 compares batches of pairs in that many worker
-    processes at once."""
+    processes at once. `opmap`: the user's map, over the built-in one the dumps' op names
+    choose (`conventions`: whether to look for one)."""
     try:
         mode = CompareMode(mode)
     except ValueError:
@@ -84,7 +86,9 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
         raise CompareError(
             f"GOLDEN is a {g_dump.kind} folder but TARGET is a {t_dump.kind} folder: give two "
             "round folders (data/<dev>_<pid>/<round>), or two dump roots / process folders")
-    alignment: Alignment = align_dumps(g_dump, t_dump, opmap)
+    chosen = choose(op_names(g_dump), op_names(t_dump), opmap, automatic=conventions)
+    alignment: Alignment = align_dumps(g_dump, t_dump, chosen and chosen.opmap,
+                                       chosen and chosen.left)
     work: list[RefPair] = []
     spans: list[_OpSpan] = []
     alone: list[OpRows] = []     # ops of the target with no counterpart: not judged
@@ -115,7 +119,7 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
                          finding, [RoundNumbers(rp.golden.index, rp.target.index)
                                    for rp in alignment.rounds],
                          alignment.name_matched, scan_compared(rows), max(1, jobs),
-                         verdict.unjudged)
+                         verdict.unjudged, chosen.opmap.title() if chosen else "")
 
 
 def _target_only(rp: RoundPair) -> list[OpRows]:
@@ -248,9 +252,14 @@ def _buffers() -> tuple[ReadBuffer, ReadBuffer]:
 
 def _load(ref: TensorRef, buffer: ReadBuffer):
     try:
+        if ref.derive is not None:
+            # The parts are alive together: none of them goes into the shared buffer.
+            return ref.derive.apply([load_values(p.path) for p in ref.parts]), ""
         return load_values(ref.path, buffer), ""
     except NoData as exc:
         return None, str(exc)
+    except ValueError as exc:
+        return None, f"cannot derive {ref.data_name}: {exc}"
 
 
 def write_outputs(result: CompareResult, out: str, xlsx: bool = True,
@@ -310,8 +319,12 @@ def register(sub) -> None:
                    help="statistics mode: an output whose norm differs by more than PCT "
                         f"percent diverges (default {d.max_norm_err})")
     p.add_argument("--map", metavar="FILE",
-                   help="YAML or JSON file saying which op names of one dump are which of the "
-                        "other's (see docs/analysis.md), for dumps of two implementations")
+                   help="YAML or JSON file saying which ops and tensors of one dump are which "
+                        "of the other's (see docs/analysis.md), for dumps of two "
+                        "implementations; its entries win over the built-in conventions")
+    p.add_argument("--no-conventions", action="store_true",
+                   help="do not use the built-in conventions (vLLM against transformers) "
+                        "that compare otherwise chooses from the dumps' module classes")
     p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                    help="worker processes comparing tensors at once (default: the cores "
                         f"available, here {default_jobs()})")
@@ -338,11 +351,13 @@ def _compare(args) -> int:
         opmap = load_map(args.map) if args.map else None
         with progress_bar(err, "comparing") as progress:
             result = compare_dumps(args.golden, args.target, args.mode, thresholds, progress,
-                                   jobs, opmap)
+                                   jobs, opmap, conventions=not args.no_conventions)
     except CompareError as exc:
         print(f"atb-probe compare: {exc}", file=sys.stderr)
         return 2
     out = Console(highlight=False, soft_wrap=True)
+    if result.conventions:
+        out.print(f"conventions: {result.conventions}")
     if not result.rows:
         out.print("no tensor of TARGET could be paired with one of GOLDEN: are they dumps of "
                   "the same model, at the same level?")
@@ -380,6 +395,10 @@ def _print_unmatched(out, unmatched: list[Unmatched], sheet: str | None,
                      limit: int = 10) -> None:
     """The entries of one side only; `sheet`: the .xlsx that lists them all, if one was
     written."""
+    expected = sum(1 for u in unmatched if u.expected)
+    if expected:
+        out.print(f"{expected} entries have no counterpart by convention (the op map says so)")
+    unmatched = [u for u in unmatched if not u.expected]
     if not unmatched:
         return
     where = f" (all of them in sheet 'unmatched' of {sheet})" if sheet else ""

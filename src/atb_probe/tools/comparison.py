@@ -6,7 +6,11 @@ result.py gathers a whole comparison for the renderers.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from functools import reduce
+
+import numpy as np
 
 from ..layout import Side
 from ..statcsv import Stats
@@ -65,6 +69,59 @@ class Role(StrEnum):
     TARGET = "target"            # the dump to check
 
 
+class DeriveKind(StrEnum):
+    """How a derived tensor is computed from its parts."""
+
+    SUM = "sum"
+    CONCAT = "concat"
+    SLICE = "slice"
+
+
+@dataclass(frozen=True, slots=True)
+class Derivation:
+    """What turns the parts' arrays into the derived tensor."""
+
+    kind: DeriveKind
+    dim: int = -1
+    start: int | None = None
+    stop: int | None = None
+
+    def apply(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """The derived array; ValueError when the parts do not fit together."""
+        if self.kind == DeriveKind.SUM:
+            shapes = {a.shape for a in arrays}
+            if len(shapes) > 1:
+                raise ValueError(f"cannot add tensors of shapes {sorted(shapes)}")
+            return reduce(np.add, arrays)
+        if self.kind == DeriveKind.CONCAT:
+            return np.concatenate(arrays, axis=self.dim)
+        (array,) = arrays
+        index = [slice(None)] * array.ndim
+        index[self.dim] = slice(self.start, self.stop)
+        return array[tuple(index)]
+
+    def shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """The derived tensor's shape from its parts' shapes."""
+        first = list(shapes[0])
+        if self.kind == DeriveKind.SUM or not first:
+            return tuple(first)
+        dim = self.dim % len(first)
+        if self.kind == DeriveKind.CONCAT:
+            first[dim] = sum(s[dim] for s in shapes)
+        else:
+            first[dim] = len(range(first[dim])[self.start:self.stop])
+        return tuple(first)
+
+    def stats(self, parts: list[Stats | None], sizes: list[int]) -> Stats | None:
+        """The statistics of a concatenation from its parts'; None for the other kinds (the
+        norm of a sum or of a slice is not known from the parts' statistics)."""
+        if self.kind != DeriveKind.CONCAT or any(s is None for s in parts) or not sum(sizes):
+            return None
+        return Stats(max(s.max for s in parts), min(s.min for s in parts),
+                     sum(s.mean * n for s, n in zip(parts, sizes)) / sum(sizes),
+                     math.sqrt(sum(s.norm ** 2 for s in parts)))
+
+
 @dataclass(slots=True)
 class TensorRef:
     """What the comparison needs of one dumped tensor; small, so it crosses to a worker
@@ -80,13 +137,17 @@ class TensorRef:
     order: int                   # position in its round, execution order
     layer: str                   # `2_LlamaDecoderLayer`
     io: Side
+    parts: tuple[TensorRef, ...] = ()   # a derived tensor: the tensors it is computed from
+    derive: Derivation | None = None    # and how (opmap.py)
 
     @classmethod
     def of(cls, record) -> TensorRef:
-        """The ref of a dumpreader.TensorRecord."""
+        """The ref of a dumpreader.TensorRecord or of an opmap.DerivedTensor."""
+        parts = getattr(record, "parts", ())
         return cls(record.data_name, record.round.process.name, record.round.index,
                    record.dtype, record.shape, record.stats, record.path, record.order,
-                   record.layer, record.io)
+                   record.layer, record.io, tuple(cls.of(p) for p in parts),
+                   getattr(record, "derive", None))
 
 
 @dataclass(slots=True)
@@ -192,6 +253,7 @@ class Unmatched:
     where: str                   # `0_1234/0`
     what: str                    # the op path or tensor name
     count: int = 1               # ops (or tensors) it stands for
+    expected: bool = False       # the op map says it has no counterpart (by convention)
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,6 +163,11 @@ class Round:
     def csv_path(self) -> str:
         return layout.round_csv(self.path)
 
+    @property
+    def modules(self) -> RoundModules:
+        """The model and module paths of this round, from the structure files."""
+        return self.process.modules.get(self.index) or RoundModules()
+
     @cached_property
     def tensors(self) -> list[TensorRecord]:
         """Every tensor of the round in execution order."""
@@ -331,6 +336,78 @@ class Process:
 
     def __repr__(self) -> str:
         return f"Process({self.name}, {len(self.rounds)} rounds)"
+
+    @cached_property
+    def modules(self) -> dict[int, RoundModules]:
+        """The model and module paths of each round (by index), from the structure files; none
+        for a process folder outside an `atb_dump_data` tree."""
+        root = layout.root_of_process(self.path)
+        return module_paths(root, self.name) if root else {}
+
+
+@dataclass(slots=True)
+class RoundModules:
+    """What a process's structure files say of one of its rounds."""
+
+    model: str | None = None                      # the model's name
+    paths: dict[str, str] = field(default_factory=dict)   # op ID -> module path
+
+    def leaf(self, op_id: str) -> str | None:
+        """The last part of an op's module path (`q_proj`), None for a kernel or an op the
+        structure files do not name."""
+        path = self.paths.get(op_id)
+        return path.rsplit(".", 1)[-1] if path else None
+
+
+def module_paths(root: str, proc: str) -> dict[int, RoundModules]:
+    """The model and module paths of each round (by index) from a process's structure files
+    (SPEC §5): each model file names its rounds; its layer files (in a folder of the model's
+    name for every model but the first) give the paths of the ops below the layer-level ones."""
+    model_dir = os.path.join(root, layout.model_info_dir(proc))
+    layer_dir = os.path.join(root, layout.layer_info_dir(proc))
+    out: dict[int, RoundModules] = {}
+    layer_paths: dict[str, dict[str, str]] = {}
+    for doc in _json_files(model_dir):
+        model = doc.get("modelType")
+        if not isinstance(model, str):
+            continue
+        if model not in layer_paths:
+            folder = os.path.join(root, layout.layer_info_dir(proc, model))
+            paths = layer_paths[model] = {}
+            for layer in _json_files(folder if os.path.isdir(folder) else layer_dir):
+                _collect_paths(layer, paths)
+        modules = RoundModules(model, dict(layer_paths[model]))
+        _collect_paths({"nodes": doc.get("nodes", [])}, modules.paths)
+        for pair in doc.get("rounds") or []:
+            if isinstance(pair, list) and len(pair) == 2 and all(isinstance(i, int) for i in pair):
+                for index in range(pair[0], pair[1] + 1):
+                    out[index] = modules
+    return out
+
+
+def _json_files(folder: str):
+    try:
+        names = sorted(n for n in os.listdir(folder) if layout.parse_info_file(n) is not None)
+    except OSError:
+        return
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            yield doc
+
+
+def _collect_paths(node: dict, paths: dict[str, str]) -> None:
+    for child in node.get("nodes") or []:
+        if not isinstance(child, dict):
+            continue
+        name, kind, path = child.get("opName"), child.get("opType"), child.get("modulePath")
+        if isinstance(name, str) and isinstance(kind, str) and isinstance(path, str):
+            paths.setdefault(name[len(kind) + 1:], path)
+        _collect_paths(child, paths)
 
 
 class DumpLevel(StrEnum):

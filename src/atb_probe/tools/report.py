@@ -350,12 +350,16 @@ def _unjudged(result: CompareResult) -> str:
 def _unmatched(result: CompareResult) -> str:
     if not result.unmatched:
         return "<h3>Unmatched</h3><p>Everything was matched.</p>"
+    listed = sorted(result.unmatched, key=lambda u: u.expected)[:MAX_TABLE_ROWS]
     body = "".join(f"<tr><td>{_escape(u.side)}</td><td>{_escape(u.kind)}</td>"
                    f"<td>{_escape(u.where)}</td><td><code>{_escape(u.what)}</code></td>"
-                   f"<td>{u.count}</td><td>{_escape(u.kind.reason)}</td></tr>"
-                   for u in result.unmatched[:MAX_TABLE_ROWS])
+                   f"<td>{u.count}</td><td>"
+                   f"{'no counterpart by convention' if u.expected else _escape(u.kind.reason)}"
+                   "</td></tr>"
+                   for u in listed)
     return ("<h3>Unmatched</h3><p>Present in one dump only (the two runs executed different ops "
-            "there, or were dumped with different filters).</p><table class='grid'><tr>"
+            "there, or were dumped with different filters), or, by the op map's conventions, "
+            "without a counterpart.</p><table class='grid'><tr>"
             "<th>only in</th><th>kind</th><th>where</th><th>what</th><th>count</th><th>why</th>"
             f"</tr>{body}</table>")
 

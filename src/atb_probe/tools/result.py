@@ -39,6 +39,7 @@ class CompareResult:
     scan: list[RoundScan] = field(default_factory=list)   # of each side's compared rounds
     jobs: int = 1
     unjudged: list[Unjudged] = field(default_factory=list)   # ops whose outputs have no metrics
+    conventions: str = ""                      # the op map in force: `vLLM against ... (built in)`
 
     def counts(self) -> Counts:
         counts = Counts()
@@ -64,7 +65,10 @@ class CompareResult:
                 ("no data", str(c.no_data)), ("crossing the thresholds", str(c.crossing)),
                 ("ops paired by name, map or order (structures differ)",
                  str(self.name_matched_ops)),
-                ("unmatched entries", str(len(self.unmatched))),
+                ("conventions", self.conventions or "none"),
+                ("unmatched entries", str(sum(1 for u in self.unmatched if not u.expected))),
+                ("no counterpart by convention",
+                 str(sum(1 for u in self.unmatched if u.expected))),
                 ("thresholds", self.thresholds.describe()),
                 ("ops that could not be judged", str(len(self.unjudged))),
                 ("first divergence", self.verdict_text())]

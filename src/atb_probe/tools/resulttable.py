@@ -102,9 +102,10 @@ def write_xlsx(result: CompareResult, path: str) -> None:
     import pandas as pd
     table = pd.DataFrame([[NA if v is None else v for v in values(row)] for row in result.rows],
                          columns=list(COLUMNS))
-    unmatched = pd.DataFrame([(str(u.side), str(u.kind), u.where, u.what, u.count)
+    unmatched = pd.DataFrame([(str(u.side), str(u.kind), u.where, u.what, u.count,
+                               "no counterpart by convention" if u.expected else "")
                               for u in result.unmatched],
-                             columns=["Only In", "Kind", "Where", "What", "Count"])
+                             columns=["Only In", "Kind", "Where", "What", "Count", "Why"])
     summary = pd.DataFrame(result.summary_lines(), columns=["Item", "Value"])
     with pd.ExcelWriter(path, engine="openpyxl") as xl:
         table.to_excel(xl, sheet_name="compare", index=False)

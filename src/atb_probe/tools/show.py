@@ -9,16 +9,14 @@ Count tell the rows apart).
 from __future__ import annotations
 
 import csv
-import json
 import os
 import sys
-from dataclasses import dataclass, field
 
 from .. import layout
 from ..statcsv import COLUMNS
 from .align import OpNode, build_tree as op_tree
 from . import extras, size_text
-from .dumpreader import DumpError, Round, open_dump
+from .dumpreader import DumpError, Round, RoundModules, open_dump
 
 
 def register(sub) -> None:
@@ -73,69 +71,9 @@ def build_tree(dump, depth: int):
         if phases:
             label += f"  model: {', '.join(phases)}"
         pnode = tree.add(label)
-        structure = module_paths(dump.root, proc.name) if dump.root else {}
         for rnd in proc.rounds:
-            _add_round(pnode, rnd, depth, structure.get(rnd.index, RoundModules()))
+            _add_round(pnode, rnd, depth, rnd.modules)
     return tree
-
-
-@dataclass(slots=True)
-class RoundModules:
-    """What a process's structure files say of one of its rounds."""
-
-    model: str | None = None                      # the model's name
-    paths: dict[str, str] = field(default_factory=dict)   # op ID -> module path
-
-
-def module_paths(root: str, proc: str) -> dict[int, RoundModules]:
-    """The model and module paths of each round (by index) from a process's structure files
-    (SPEC §5): each model file names its rounds; its layer files (in a folder of the model's
-    name for every model but the first) give the paths of the ops below the layer-level ones."""
-    model_dir = os.path.join(root, layout.model_info_dir(proc))
-    layer_dir = os.path.join(root, layout.layer_info_dir(proc))
-    out: dict[int, RoundModules] = {}
-    layer_paths: dict[str, dict[str, str]] = {}
-    for doc in _json_files(model_dir):
-        model = doc.get("modelType")
-        if not isinstance(model, str):
-            continue
-        if model not in layer_paths:
-            folder = os.path.join(root, layout.layer_info_dir(proc, model))
-            paths = layer_paths[model] = {}
-            for layer in _json_files(folder if os.path.isdir(folder) else layer_dir):
-                _collect_paths(layer, paths)
-        modules = RoundModules(model, dict(layer_paths[model]))
-        _collect_paths({"nodes": doc.get("nodes", [])}, modules.paths)
-        for pair in doc.get("rounds") or []:
-            if isinstance(pair, list) and len(pair) == 2 and all(isinstance(i, int) for i in pair):
-                for index in range(pair[0], pair[1] + 1):
-                    out[index] = modules
-    return out
-
-
-def _json_files(folder: str):
-    try:
-        names = sorted(n for n in os.listdir(folder) if layout.parse_info_file(n) is not None)
-    except OSError:
-        return
-    for name in names:
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(doc, dict):
-            yield doc
-
-
-def _collect_paths(node: dict, paths: dict[str, str]) -> None:
-    for child in node.get("nodes") or []:
-        if not isinstance(child, dict):
-            continue
-        name, kind, path = child.get("opName"), child.get("opType"), child.get("modulePath")
-        if isinstance(name, str) and isinstance(kind, str) and isinstance(path, str):
-            paths.setdefault(name[len(kind) + 1:], path)
-        _collect_paths(child, paths)
 
 
 def _add_round(parent, rnd: Round, depth: int, modules: RoundModules) -> None:

@@ -37,7 +37,9 @@ def summary_doc(result: CompareResult) -> dict:
                    "statistics": c.statistics, "no_data": c.no_data, "crossing": c.crossing,
                    "ops_paired_by_name_map_or_order": result.name_matched_ops,
                    "unjudged_ops": len(result.unjudged),
-                   "unmatched_entries": len(result.unmatched)},
+                   "unmatched_entries": sum(1 for u in result.unmatched if not u.expected),
+                   "no_counterpart_by_convention": sum(1 for u in result.unmatched
+                                                       if u.expected)},
         "thresholds": asdict(result.thresholds),
         "rounds": [{"golden": r.golden, "target": r.target} for r in result.rounds],
         "unjudged": [_unjudged(u) for u in result.unjudged],
@@ -99,11 +101,14 @@ def _unmatched_groups(unmatched: list[Unmatched]) -> list[dict]:
     """The entries grouped by (side, kind, where), in the order they were found."""
     groups: dict[tuple, dict] = {}
     for u in unmatched:
-        key = (u.side, u.kind, u.where)
+        key = (u.side, u.kind, u.where, u.expected)
         group = groups.get(key)
         if group is None:
+            why = "no counterpart by convention (the op map says so)" if u.expected \
+                else u.kind.reason
             group = groups[key] = {"only_in": str(u.side), "kind": str(u.kind),
-                                   "where": u.where, "why": u.kind.reason, "entries": 0,
+                                   "where": u.where, "why": why, "expected": u.expected,
+                                   "entries": 0,
                                    "count": 0, "what": []}
         group["entries"] += 1
         group["count"] += u.count
