@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from atb_probe.binread import load_numpy
 from atb_probe.statcsv import REQUEST_COLUMNS
 from atb_probe.tokens import prompt_of
 
-from conftest import only_proc, read_csv
+from conftest import dump, only_proc, read_csv, tiny_llama
 from harness import config, run_loaded
 
 SHORT, LONG = [5, 6, 7], [1, 2, 3, 4, 5]
@@ -138,3 +139,34 @@ def test_every_request_row_names_a_tensor_of_statistic_csv_with_the_token_dimens
                     [doc["rows"], doc["tokens"]]}
         assert set(keyed) == with_dim
         assert all(v == ["row0", "row1"] for v in keyed.values())
+
+
+def test_right_padding_puts_each_rows_span_first(tmp_path):
+    model = tiny_llama()
+
+    def run():
+        with torch.no_grad():
+            model(input_ids=torch.tensor([SHORT + [PAD, PAD], LONG]),
+                  attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1] * 5]))
+
+    doc = tokens_of(only_proc(dump(tmp_path, config(task="statistics"), run)) / "0")
+    assert spans(doc) == [("row0", 0, 0, 3, 0, 3, SHORT), ("row1", 1, 0, 5, 0, 5, LONG)]
+
+
+def test_with_save_child_every_tensor_with_the_token_dimension_has_request_rows(tmp_path):
+    model = tiny_llama()
+
+    def run():
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[PAD, PAD] + SHORT, LONG]),
+                  attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1] * 5]))
+
+    folder = only_proc(dump(tmp_path, config(task="statistics", save_child=True), run)) / "0"
+    per = read_csv(folder / "request_statistic.csv")
+    assert any(r["Op Type"].endswith("Kernel") for r in per)
+    whole = read_csv(folder / "statistic.csv")
+    with_dim = [r for r in whole if r["Shape"].split("x")[:2] == ["2", "5"]]
+    assert len(per) == 2 * len(with_dim)
+    assert [(r["Op Id"], r["Input/Output"], r["Index"]) for r in per[::2]] == \
+        [(r["Op Id"], r["Input/Output"], r["Index"]) for r in with_dim]
+    assert {r["Shape"].split("x")[1] for r in per if r["Request"] == "row0"} == {"3"}
