@@ -170,3 +170,18 @@ def test_with_save_child_every_tensor_with_the_token_dimension_has_request_rows(
     assert [(r["Op Id"], r["Input/Output"], r["Index"]) for r in per[::2]] == \
         [(r["Op Id"], r["Input/Output"], r["Index"]) for r in with_dim]
     assert {r["Shape"].split("x")[1] for r in per if r["Request"] == "row0"} == {"3"}
+
+
+def test_a_decode_round_knows_its_prompts_when_the_prefill_was_not_dumped(tmp_path):
+    model = tiny_llama()
+
+    def run():
+        with torch.no_grad():
+            model.generate(input_ids=torch.tensor([[PAD, PAD] + SHORT, LONG]),
+                           attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1] * 5]),
+                           max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+
+    proc = only_proc(dump(tmp_path, config(task="statistics", exec_range="1,1"), run))
+    assert sorted(p.name for p in proc.iterdir()) == ["1"]
+    assert spans(tokens_of(proc / "1")) == [("row0", 0, 0, 1, 3, 3, SHORT),
+                                            ("row1", 1, 0, 1, 5, 5, LONG)]
