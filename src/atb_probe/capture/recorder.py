@@ -480,12 +480,13 @@ class Recorder:
 
 class _RowHandover(threading.local):
     """statistic.csv rows (request_statistic.csv's, with `requests`) of a thread's round that
-    wait to be handed to the writer in one piece: one job (the writer's lock, its accounting) per round rather than per layer-level
-    op execution. They are handed over at the end of the round (whether the model returned or
-    raised), and sooner once `MAX_WAITING_SIDES` sides or `MAX_WAITING_SECONDS` have gathered,
-    so a long round keeps its rows flowing and what waits stays small (rows hold no tensor
-    data: only their shapes and statistics cells). Each job carries what the writer waits on
-    before reading them: the `Landed` of the device batches still on their way, or None."""
+    wait to be handed to the writer in one piece: one job (the writer's lock, its accounting)
+    per round rather than per layer-level op execution. They are handed over at the end of the
+    round (whether the model returned or raised), and sooner once `MAX_WAITING_SIDES` sides or
+    `MAX_WAITING_SECONDS` have gathered, so a long round keeps its rows flowing and what waits
+    stays small (rows hold no tensor data: only their shapes and statistics cells). Each job
+    carries what the writer waits on before reading them: the `Landed` of the device batches
+    still on their way, or None."""
 
     def __init__(self, sink, stats: StatsCache, requests: bool = False):
         self.sink, self.stats = sink, stats
