@@ -185,3 +185,29 @@ def test_a_decode_round_knows_its_prompts_when_the_prefill_was_not_dumped(tmp_pa
     assert sorted(p.name for p in proc.iterdir()) == ["1"]
     assert spans(tokens_of(proc / "1")) == [("row0", 0, 0, 1, 3, 3, SHORT),
                                             ("row1", 1, 0, 1, 5, 5, LONG)]
+
+
+def test_a_prompt_hash_is_sha1_of_its_ids_as_little_endian_int64():
+    import hashlib
+    ids = [1, 15043, 3186, 2, 7] + list(range(100, 120))
+    prompt = prompt_of(ids)
+    assert prompt.digest == hashlib.sha1(np.array(ids, dtype="<i8").tobytes()).hexdigest()[:16]
+    assert (prompt.length, prompt.head) == (25, tuple(ids[:16]))
+    assert prompt_of(ids[:-1]).digest != prompt.digest
+
+
+def test_which_tensors_have_the_token_dimension_and_when_requests_are_split():
+    from atb_probe.tokens import Arrangement, RequestSpan, Source, TokenLayout
+    p = prompt_of(SHORT)
+    one = RequestSpan("a", 0, 0, 5, 0, p)
+    flat = TokenLayout(Source.VLLM, Arrangement.FLAT, 5, 1, (one,))
+    assert not flat.per_request
+    assert flat.has_token_dim((5, 32)) and flat.has_token_dim((5,)) and \
+        not flat.has_token_dim((4, 5)) and not flat.has_token_dim(())
+    padded = TokenLayout(Source.VLLM, Arrangement.FLAT, 8, 1, (one,))
+    assert padded.per_request
+    batch = TokenLayout(Source.TRANSFORMERS, Arrangement.BATCH, 5, 2,
+                        (RequestSpan("row0", 0, 2, 5, 0, p), RequestSpan("row1", 1, 0, 5, 0, p)))
+    assert batch.per_request
+    assert batch.has_token_dim((2, 5, 32)) and not batch.has_token_dim((5, 2, 32)) and \
+        not batch.has_token_dim((2,))
