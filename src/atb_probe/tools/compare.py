@@ -41,6 +41,7 @@ from .metrics import array_stats, compare_arrays, stats_metrics
 from .opmap import OpMap, load_map
 from .result import CompareResult
 from .scan import scan_compared
+from .shards import JoinedRanks, find_ranks, joined_note, load_joined
 
 MODES = tuple(mode.value for mode in CompareMode)
 BATCH_ELEMENTS = 1 << 23     # elements per batch sent to a worker (32 MB of float32 per side)
@@ -84,6 +85,11 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
         raise CompareError(
             f"GOLDEN is a {g_dump.kind} folder but TARGET is a {t_dump.kind} folder: give two "
             "round folders (data/<dev>_<pid>/<round>), or two dump roots / process folders")
+    ranks = find_ranks(g_dump, t_dump)   # one side's ranks joined, aligned as rank 0
+    if ranks is not None and ranks.role == Role.GOLDEN:
+        g_dump = ranks.lead()
+    elif ranks is not None:
+        t_dump = ranks.lead()
     alignment: Alignment = align_dumps(g_dump, t_dump, opmap)
     work: list[RefPair] = []
     spans: list[_OpSpan] = []
@@ -93,8 +99,7 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
         for op in rp.ops:
             start = len(work)
             # An allocation kernel's output holds whatever the memory held: nothing to compare.
-            work.extend(RefPair(TensorRef.of(p.golden), TensorRef.of(p.target), p.method)
-                        for p in op.tensors
+            work.extend(RefPair(*_refs(p, ranks), p.method) for p in op.tensors
                         if not (p.golden.uninitialized or p.target.uninitialized))
             spans.append(_OpSpan(rp.target.index, op.target.op_path, op.golden.op_path, start,
                                  len(work)))
@@ -111,7 +116,17 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
     return CompareResult(g_dump.path, t_dump.path, mode, thresholds, rows, alignment.unmatched,
                          finding, [RoundNumbers(rp.golden.index, rp.target.index)
                                    for rp in alignment.rounds],
-                         alignment.name_matched, scan_compared(rows), max(1, jobs))
+                         alignment.name_matched, scan_compared(rows), max(1, jobs),
+                         ranks.summary if ranks is not None else None)
+
+
+def _refs(pair, ranks) -> tuple[TensorRef, TensorRef]:
+    """The (golden, target) refs of a tensor pair; on a side of joined ranks, the whole's."""
+    if ranks is None:
+        return TensorRef.of(pair.golden), TensorRef.of(pair.target)
+    if ranks.role == Role.GOLDEN:
+        return ranks.ref(pair.golden, pair.target), TensorRef.of(pair.target)
+    return TensorRef.of(pair.golden), ranks.ref(pair.target, pair.golden)
 
 
 def run_pairs(work: list[RefPair], mode: CompareMode, jobs: int = 1, progress=None,
@@ -185,6 +200,13 @@ def compare_pair(golden: TensorRef, target: TensorRef, mode: CompareMode = Compa
         row.note = "empty tensor"
         return row
     notes = []
+    for side, ref in ((Role.GOLDEN, golden), (Role.TARGET, target)):
+        note = joined_note(ref.pieces, mode == CompareMode.STATISTICS or ref.path is None)
+        if note:
+            notes.append(f"{side}: {note}")
+        if ref.pieces is not None and ref.pieces.join is None:
+            row.note = "; ".join(notes)    # never compared as if one rank's piece were all
+            return row
     g_arr = t_arr = None
     if mode != CompareMode.STATISTICS or golden.stats is None or target.stats is None:
         buffers = _buffers()
@@ -235,7 +257,11 @@ def _buffers() -> tuple[ReadBuffer, ReadBuffer]:
 
 
 def _load(ref: TensorRef, buffer: ReadBuffer):
+    """The values of a tensor (the whole of a joined one) and a note: why there are none, or
+    that ranks meant to agree do not."""
     try:
+        if ref.pieces is not None:
+            return load_joined(ref.pieces)
         return load_values(ref.path, buffer), ""
     except NoData as exc:
         return None, str(exc)
@@ -336,6 +362,8 @@ def _compare(args) -> int:
     out.print(f"compared {len(result.rows)} tensors in {len(result.rounds)} round(s): "
               f"{c.tensor} by tensor, {c.statistics} by statistics, "
               f"{c.no_data} without data; {c.crossing} cross the thresholds")
+    if result.ranks is not None:
+        _print_ranks(out, result.ranks)
     if result.name_matched_ops:
         out.print(f"{result.name_matched_ops} op(s) were paired by name, map or execution "
                   "order because the two runs' op structures differ there (column Match)")
@@ -352,6 +380,19 @@ def _compare(args) -> int:
     for path in paths:
         out.print(f"wrote {path}")
     return 0
+
+
+def _print_ranks(out, ranks: JoinedRanks, limit: int = 10) -> None:
+    """That one side's ranks were joined, and the tensors whose pieces could not be."""
+    out.print(f"{ranks.role}: {ranks.describe()}")
+    if not ranks.undecided:
+        return
+    out.print(f"{len(ranks.undecided)} tensors of the {ranks.role} were not compared: their "
+              "ranks' pieces could not be joined (column Note):")
+    for u in ranks.undecided[:limit]:
+        out.print(f"  {u.name}: {u.reason}")
+    if len(ranks.undecided) > limit:
+        out.print(f"  ... and {len(ranks.undecided) - limit} more")
 
 
 def _print_unmatched(out, unmatched: list[Unmatched], sheet: str | None,

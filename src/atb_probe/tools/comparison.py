@@ -65,6 +65,32 @@ class Role(StrEnum):
     TARGET = "target"            # the dump to check
 
 
+class Join(StrEnum):
+    """How the pieces of one tensor on the ranks of one run make the whole (shards.py)."""
+
+    CONCAT = "concat"            # each rank holds a slice along one dimension
+    SUM = "sum"                  # each rank holds a partial result
+    REPLICATED = "replicated"    # each rank holds all of it
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """A tensor held by the ranks of one run: every rank's file and how they join; `join` None
+    when that could not be decided (`reason` says why; such a tensor is never compared)."""
+
+    join: Join | None
+    dim: int                     # the dimension of a CONCAT
+    paths: tuple[str | None, ...]   # every rank's .bin, rank 0 first
+    reason: str                  # what decided the join, or why none could be
+
+    def describe(self) -> str:
+        """`concat along dim 2 (shapes)`, for notes."""
+        if self.join is None:
+            return f"not joined: {self.reason}"
+        where = f" along dim {self.dim}" if self.join == Join.CONCAT else ""
+        return f"{len(self.paths)} ranks joined by {self.join}{where} ({self.reason})"
+
+
 @dataclass(slots=True)
 class TensorRef:
     """What the comparison needs of one dumped tensor; small, so it crosses to a worker
@@ -80,6 +106,7 @@ class TensorRef:
     order: int                   # position in its round, execution order
     layer: str                   # `2_LlamaDecoderLayer`
     io: Side
+    pieces: Pieces | None = None  # a tensor of several ranks: shape and stats are the whole's
 
     @classmethod
     def of(cls, record) -> TensorRef:

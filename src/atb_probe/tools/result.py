@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .comparison import CompareMode, PairMode, PairResult, RoundNumbers, Thresholds, Unmatched
 from .divergence import Finding
 from .scan import RoundScan
+from .shards import JoinedRanks
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class CompareResult:
     name_matched_ops: int = 0                  # op pairs made by name, map or order, not by ID
     scan: list[RoundScan] = field(default_factory=list)   # of each side's compared rounds
     jobs: int = 1
+    ranks: JoinedRanks | None = None           # one side's ranks joined into one
 
     def counts(self) -> Counts:
         counts = Counts()
@@ -56,13 +58,18 @@ class CompareResult:
         c = self.counts()
         rounds = ", ".join(f"{r.golden}~{r.target}" if r.golden != r.target else str(r.golden)
                            for r in self.rounds)
-        return [("golden", self.golden), ("target", self.target),
-                ("rounds compared", rounds or "none"),
-                ("tensors compared", str(len(self.rows))),
-                ("tensor mode", str(c.tensor)), ("statistics mode", str(c.statistics)),
-                ("no data", str(c.no_data)), ("crossing the thresholds", str(c.crossing)),
-                ("ops paired by name, map or order (structures differ)",
-                 str(self.name_matched_ops)),
-                ("unmatched entries", str(len(self.unmatched))),
-                ("thresholds", self.thresholds.describe()),
-                ("first divergence", self.finding.summary() if self.finding else "none")]
+        lines = [("golden", self.golden), ("target", self.target)]
+        if self.ranks is not None:
+            lines += [(f"{self.ranks.role} ranks", self.ranks.describe()),
+                      ("tensors whose ranks could not be joined",
+                       str(len(self.ranks.undecided)))]
+        return lines + [
+            ("rounds compared", rounds or "none"),
+            ("tensors compared", str(len(self.rows))),
+            ("tensor mode", str(c.tensor)), ("statistics mode", str(c.statistics)),
+            ("no data", str(c.no_data)), ("crossing the thresholds", str(c.crossing)),
+            ("ops paired by name, map or order (structures differ)",
+             str(self.name_matched_ops)),
+            ("unmatched entries", str(len(self.unmatched))),
+            ("thresholds", self.thresholds.describe()),
+            ("first divergence", self.finding.summary() if self.finding else "none")]
