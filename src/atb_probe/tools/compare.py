@@ -201,7 +201,7 @@ def compare_pair(golden: TensorRef, target: TensorRef, mode: CompareMode = Compa
         return row
     notes = []
     for side, ref in ((Role.GOLDEN, golden), (Role.TARGET, target)):
-        note = joined_note(ref.pieces, mode == CompareMode.STATISTICS or ref.path is None)
+        note = joined_note(ref.pieces)
         if note:
             notes.append(f"{side}: {note}")
         if ref.pieces is not None and ref.pieces.join is None:

@@ -173,15 +173,15 @@ def load_joined(pieces: Pieces) -> tuple[np.ndarray, str]:
     return first, note
 
 
-def joined_note(pieces: Pieces | None, stats_only: bool) -> str:
+def joined_note(pieces: Pieces | None) -> str:
     """What a row must say of a joined tensor: why it was not compared, or why its statistics
-    are missing; "" when nothing."""
+    are missing (a partial sum without files to sum); "" when nothing."""
     if pieces is None:
         return ""
     if pieces.join is None:
         return f"ranks not joined: {pieces.reason}"
-    if pieces.join == Join.SUM and stats_only:
-        return "a partial sum on each rank: statistics cannot be joined (compare tensors)"
+    if pieces.join == Join.SUM and None in pieces.paths:
+        return "a partial sum on each rank: its statistics cannot be joined (dump tensors)"
     return ""
 
 
@@ -196,7 +196,8 @@ class RankGroup:
         self.summary = JoinedRanks(role, len(self.processes))
         self._records: dict[tuple[int, int], dict[tuple, TensorRecord]] = {}
         self._params: dict[tuple[int, str], dict] = {}
-        self._nodes: dict[str, dict] | None = None   # rank 0's structure nodes by op ID
+        self._nodes: dict[tuple, dict] | None = None  # rank 0's structure nodes by `_place`
+        self._children: dict[int, dict[str, list[str]]] = {}   # by round, by parent op path
         self._reduce_at: dict[tuple[int, str], int | None] = {}
 
     def lead(self) -> Dump:
@@ -257,7 +258,7 @@ class RankGroup:
         """Rank 0's DTensor placement of the tensor, from its op's op_param.json."""
         shards = self._op_param(record.round, record.op_path).get("dtensors")
         if not isinstance(shards, dict):
-            param = self._node(record.op_id).get("param")
+            param = self._facts(record.round, record.op_path).get("param")
             shards = param.get("dtensors") if isinstance(param, dict) else None
         if not isinstance(shards, dict):
             return None
@@ -270,11 +271,11 @@ class RankGroup:
     def _region(self, record: TensorRecord) -> tuple[Region, str]:
         """Whether the tensor is inside a layer that reduces partial results, before or after
         its collective; and that layer's module path (or op path)."""
-        parts, ids = record.op_path.split("/"), record.id_parts
+        parts = record.op_path.split("/")
         for depth in range(len(parts) - 1, 0, -1):  # the innermost enclosing op first
             ancestor = "/".join(parts[:depth])
             name = _op_type(parts[depth - 1])
-            module = str(self._node("_".join(ids[:depth])).get("modulePath", ""))
+            module = str(self._facts(record.round, ancestor).get("modulePath", ""))
             if name not in PARTIAL_MODULES and _style(self.plan, module) not in PARTIAL_STYLES:
                 continue
             at = self._reduce_point(record.round, ancestor)
@@ -298,18 +299,40 @@ class RankGroup:
             doc = self._params[key] = doc if isinstance(doc, dict) else {}
         return doc
 
-    def _node(self, op_id: str) -> dict:
-        """The structure node of an op of rank 0 (info/layer, in every task), {} when none."""
+    def _facts(self, rnd: Round, op_path: str) -> dict:
+        """What the dump says of an op of rank 0 (`modulePath`, `dtensors`): its op_param.json
+        in the round, else its node in the structure files (a statistics dump writes no
+        op_param.json), {} when neither has it."""
+        doc = self._op_param(rnd, op_path)
+        if doc:
+            return doc
         if self._nodes is None:
             self._nodes = {}
             lead = self.processes[0].name
             for path in self.dump.info_files("layer").get(lead, []):
                 try:
                     with open(path, encoding="utf-8") as f:
-                        _index_nodes(json.load(f), self._nodes)
+                        _index_nodes(json.load(f), (), self._nodes)
                 except (OSError, ValueError):
                     continue
-        return self._nodes.get(op_id, {})
+        return self._nodes.get(self._place(rnd, op_path), {})
+
+    def _place(self, rnd: Round, op_path: str) -> tuple:
+        """An op's place in its layer, as stable across rounds as the module calls are: the
+        layer-level folder, then at each depth the name and how many siblings of that name ran
+        before it (op IDs count kernels too, which differ from prefill to decode)."""
+        children = self._children.get(rnd.index)
+        if children is None:
+            children = self._children[rnd.index] = _children(rnd)
+        parts = op_path.split("/")
+        place = [parts[0]]
+        for depth in range(1, len(parts)):
+            siblings = children.get("/".join(parts[:depth]), [])
+            name = _op_type(parts[depth])
+            before = siblings[:siblings.index(parts[depth])] if parts[depth] in siblings \
+                else siblings
+            place.append((name, sum(_op_type(s) == name for s in before)))
+        return tuple(place)
 
     def _reduce_point(self, rnd: Round, op_path: str) -> int | None:
         """The order of the first output of the first reducing kernel below `op_path`."""
@@ -390,15 +413,36 @@ def _style(plan: dict[str, str], module_path: str) -> str | None:
     return None
 
 
-def _index_nodes(node, into: dict[str, dict]) -> None:
-    """Every node of a structure file by its full op ID (`opName` is `<opType>_<full ID>`)."""
+def _index_nodes(node, parent: tuple, into: dict[tuple, dict]) -> None:
+    """Every node of a structure file by its place (`RankGroup._place`): `opName` is
+    `<opType>_<full ID>`, children are in execution order."""
     if not isinstance(node, dict):
         return
     name, kind = str(node.get("opName", "")), str(node.get("opType", ""))
-    if kind and name.startswith(kind + "_"):
-        into[name[len(kind) + 1:]] = node
+    if not parent:
+        own_id = name[len(kind) + 1:] if name.startswith(kind + "_") else name
+        place: tuple = (layout.op_folder(own_id, kind),)
+    else:
+        place = parent
+    into[place] = node
+    seen: dict[str, int] = {}
     for child in node.get("nodes") or ():
-        _index_nodes(child, into)
+        if isinstance(child, dict):
+            kind = str(child.get("opType", ""))
+            _index_nodes(child, place + ((kind, seen.get(kind, 0)),), into)
+            seen[kind] = seen.get(kind, 0) + 1
+
+
+def _children(rnd: Round) -> dict[str, list[str]]:
+    """The folders (`<own id>_<name>`) of the ops directly below each op of a round, in ID
+    order (execution order), as far as the round's rows show them."""
+    found: dict[str, set[str]] = {}
+    for op in rnd.ops:
+        parts = op.op_path.split("/")
+        for depth in range(1, len(parts)):
+            found.setdefault("/".join(parts[:depth]), set()).add(parts[depth])
+    return {parent: sorted(names, key=lambda f: (int(f.partition("_")[0]), f))
+            for parent, names in found.items()}
 
 
 def _op_type(folder: str) -> str:
