@@ -191,7 +191,9 @@ def test_statistics_of_the_ranks_are_joined(golden, two_ranks):
 
 
 def test_a_perturbed_layer_of_the_two_rank_run_is_named(golden, faulty):
-    result = compare_dumps(str(golden), str(faulty), CompareMode.TENSOR)
+    # In worker processes, several batches: the joined refs travel to them.
+    result = compare_dumps(str(golden), str(faulty), CompareMode.TENSOR, jobs=2,
+                           batch_elements=1 << 12)
     assert result.finding is not None
     assert result.finding.op_path.startswith(FAULTY_LAYER + "/4_LlamaMLP/"), \
         result.finding.summary()

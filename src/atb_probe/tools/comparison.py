@@ -83,13 +83,6 @@ class Pieces:
     paths: tuple[str | None, ...]   # every rank's .bin, rank 0 first
     reason: str                  # what decided the join, or why none could be
 
-    def describe(self) -> str:
-        """`concat along dim 2 (shapes)`, for notes."""
-        if self.join is None:
-            return f"not joined: {self.reason}"
-        where = f" along dim {self.dim}" if self.join == Join.CONCAT else ""
-        return f"{len(self.paths)} ranks joined by {self.join}{where} ({self.reason})"
-
 
 @dataclass(slots=True)
 class TensorRef:
