@@ -6,8 +6,8 @@ ID, by name, by an op map, or by execution order and shape between two implement
 metrics.py compares each pair; divergence.py judges them and finds the first diverging op;
 scan.py looks at each side's compared tensors for NaN/Inf and overflow. The stages share the
 records of comparison.py; the whole result (result.py) is written by the renderers:
-resulttable.py (`atb_compare_result.csv` and `.xlsx`, msprobe's columns first) and report.py
-(`atb_compare_report.html`).
+resulttable.py (`atb_compare_result.csv` and `.xlsx`, msprobe's columns first), summary.py
+(`atb_compare_summary.json`, for scripts and CI) and report.py (`atb_compare_report.html`).
 
 Compare mode per tensor (`--mode auto`, the default): tensor metrics when both sides have the
 bytes, else statistics differences from the csv (or from the bytes of the side that has them),
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from ..layout import Side
 from ..statcsv import is_empty_shape, parse_shape
 from . import extras
-from .align import Alignment, align_dumps
+from .align import Alignment, RoundPair, align_dumps
 from .arrays import ReadBuffer, load_values
 from .comparison import (CompareError, CompareMode, MatchMethod, PairMode, PairResult, RefPair,
                          Role, RoundNumbers, TensorRef, Thresholds, Unmatched, UnmatchedKind)
-from .divergence import Finding, OpRows, crosses, first_divergence
+from .divergence import Finding, OpRows, crosses, judge
 from .dumpreader import DumpError, DumpLevel, NoData, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import array_stats, compare_arrays, stats_metrics
@@ -93,9 +93,11 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
     alignment: Alignment = align_dumps(g_dump, t_dump, opmap)
     work: list[RefPair] = []
     spans: list[_OpSpan] = []
+    alone: list[OpRows] = []     # ops of the target with no counterpart: not judged
     round_ends = []
     for rp in alignment.rounds:
         round_ends.append(len(work))
+        alone += _target_only(rp)
         for op in rp.ops:
             start = len(work)
             # An allocation kernel's output holds whatever the memory held: nothing to compare.
@@ -106,8 +108,9 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
     rows = run_pairs(work, mode, jobs, progress, batch_elements)
     for row in rows:
         row.diverged = crosses(row, thresholds)
-    ops = sorted((span.rows(rows) for span in spans), key=lambda op: op.finished)
-    finding = first_divergence(ops, thresholds)
+    ops = sorted([span.rows(rows) for span in spans] + alone, key=lambda op: op.finished)
+    verdict = judge(ops)
+    finding = verdict.finding
     round_ends.append(len(rows))
     rows = [r for start, end in zip(round_ends, round_ends[1:])
             for r in sorted(rows[start:end], key=lambda r: r.order)]
@@ -117,7 +120,7 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
                          finding, [RoundNumbers(rp.golden.index, rp.target.index)
                                    for rp in alignment.rounds],
                          alignment.name_matched, scan_compared(rows), max(1, jobs),
-                         ranks.summary if ranks is not None else None)
+                         verdict.unjudged, ranks.summary if ranks is not None else None)
 
 
 def _refs(pair, ranks) -> tuple[TensorRef, TensorRef]:
@@ -127,6 +130,14 @@ def _refs(pair, ranks) -> tuple[TensorRef, TensorRef]:
     if ranks.role == Role.GOLDEN:
         return ranks.ref(pair.golden, pair.target), TensorRef.of(pair.target)
     return TensorRef.of(pair.golden), ranks.ref(pair.target, pair.golden)
+
+
+def _target_only(rp: RoundPair) -> list[OpRows]:
+    """The ops of a round pair's target that no golden op was paired with, where they ran."""
+    paired = {op.target.op_path for op in rp.ops}
+    return [OpRows(rp.target.index, op.op_path, "", [], [],
+                   done=min(t.order for t in (op.outputs or op.tensors)))
+            for op in rp.target.ops if op.op_path not in paired]
 
 
 def run_pairs(work: list[RefPair], mode: CompareMode, jobs: int = 1, progress=None,
@@ -269,14 +280,17 @@ def _load(ref: TensorRef, buffer: ReadBuffer):
 
 def write_outputs(result: CompareResult, out: str, xlsx: bool = True,
                   html: bool = True) -> list[str]:
-    """Write the CSV, the .xlsx and the HTML report into `out`; their paths."""
+    """Write the CSV, the JSON summary, the .xlsx and the HTML report into `out`; their
+    paths."""
     from .report import REPORT_HTML, render_html
     from .resulttable import RESULT_CSV, RESULT_XLSX, XLSX_MAX_ROWS, write_csv, write_xlsx
+    from .summary import SUMMARY_JSON, write_summary
     if os.path.exists(out) and not os.path.isdir(out):
         raise CompareError(f"--output {out} is not a folder")
     os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, RESULT_CSV)]
+    paths = [os.path.join(out, RESULT_CSV), os.path.join(out, SUMMARY_JSON)]
     write_csv(result, paths[0])
+    write_summary(result, paths[1])
     if xlsx and len(result.rows) >= XLSX_MAX_ROWS:
         print(f"atb-probe compare: {len(result.rows)} rows do not fit in an .xlsx sheet; "
               f"skipped it (the CSV has them all)", file=sys.stderr)
@@ -296,10 +310,14 @@ def register(sub) -> None:
     p = sub.add_parser(
         "compare", help="compare two dumps and find the first diverging operator",
         description="Compare the tensors of TARGET with those of GOLDEN (dump roots, "
-                    "<dev>_<pid> folders or round folders), write a CSV, an .xlsx and an HTML "
-                    "report, and name the first operator whose output diverges while its "
-                    "inputs do not.",
-        epilog="example: atb-probe compare fp32 bf16 -o cmp --min-ratio 0")
+                    "<dev>_<pid> folders or round folders), write a CSV, a JSON summary, an "
+                    ".xlsx and an HTML report, and name the first operator whose output "
+                    "diverges while its inputs do not.",
+        epilog="exit status: 0 when the comparison ran, whatever it found (with "
+               "--fail-on-divergence: 1 when it found a divergence); 1 when no tensor could "
+               "be paired; 2 for a usage error (a bad argument, a path that is not a dump, a "
+               "bad map file) or results that could not be written. "
+               "example: atb-probe compare fp32 bf16 -o cmp --min-ratio 0")
     p.add_argument("golden", help="the reference dump")
     p.add_argument("target", help="the dump to check")
     p.add_argument("-o", "--output", default="compare_output",
@@ -322,6 +340,9 @@ def register(sub) -> None:
     p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                    help="worker processes comparing tensors at once (default: the cores "
                         f"available, here {default_jobs()})")
+    p.add_argument("--fail-on-divergence", action="store_true",
+                   help="exit with status 1 when a divergence is found (for CI); the results "
+                        "are written all the same")
     p.add_argument("--no-xlsx", action="store_true", help="skip the .xlsx file")
     p.add_argument("--no-html", action="store_true", help="skip the HTML report")
     p.set_defaults(func=_compare)
@@ -371,15 +392,15 @@ def _compare(args) -> int:
     _print_unmatched(out, result.unmatched, sheet)
     if result.finding:
         style = "bold red" if result.finding.inputs_clean else "bold yellow"
-        out.print(result.finding.summary(), style=style)
     else:
-        out.print(f"no divergence: no output crosses {thresholds.describe()}", style="green")
+        style = "yellow" if result.without_metrics() else "green"
+    out.print(result.verdict_text(), style=style)
     for scanned in result.scan:
         if scanned.first is not None:
             out.print(f"{scanned.side}: {scanned.first.summary(scanned)}", style="bold red")
     for path in paths:
         out.print(f"wrote {path}")
-    return 0
+    return 1 if args.fail_on_divergence and result.finding is not None else 0
 
 
 def _print_ranks(out, ranks: JoinedRanks, limit: int = 10) -> None:

@@ -187,6 +187,20 @@ class UnmatchedKind(StrEnum):
     OP = "op"                    # an op and its subtree
     TENSOR = "tensor"
 
+    @property
+    def reason(self) -> str:
+        """Why an entry of this kind is left over, in words."""
+        return _UNMATCHED_REASONS.get(self, "")
+
+
+_UNMATCHED_REASONS = {
+    UnmatchedKind.PROCESS: "the other dump has no process left on its device",
+    UnmatchedKind.ROUND: "the other dump has no round of this number in the paired process",
+    UnmatchedKind.OP: "no op of the other dump pairs with it (by ID, name, map, or order and "
+                      "output shapes)",
+    UnmatchedKind.TENSOR: "its op is paired, but no tensor of the other op pairs with it",
+}
+
 
 @dataclass(slots=True)
 class Unmatched:
