@@ -209,3 +209,7 @@ def test_the_command_says_the_ranks_were_joined(golden, two_ranks, tmp_path):
     assert "target: 2 ranks joined (tensor parallel)" in result.stdout
     assert "could not be joined" in result.stdout and "EmbeddingKernel" in result.stdout
     assert "no divergence" in result.stdout
+    joined = json.loads((tmp_path / "out" / "atb_compare_summary.json").read_text())
+    assert joined["ranks_joined"]["side"] == "target" and joined["ranks_joined"]["ranks"] == 2
+    assert any(u["tensor"].endswith("EmbeddingKernel/output.0") and "masked" in u["why"]
+               for u in joined["ranks_joined"]["not_joined"])
