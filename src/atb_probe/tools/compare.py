@@ -1,10 +1,12 @@
 """`atb-probe compare GOLDEN TARGET [-o OUT]`: compare two dumps tensor by tensor.
 
 GOLDEN and TARGET are dumps opened at the same level (roots, `<dev>_<pid>` folders or round
-folders; see dumpreader). The pipeline: align.py pairs processes, rounds, ops and tensors (by
-ID, by name, by an op map, or by execution order and shape between two implementations);
-metrics.py compares each pair; divergence.py judges them and finds the first diverging op;
-scan.py looks at each side's compared tensors for NaN/Inf and overflow. The stages share the
+folders; see dumpreader). The pipeline: shards.py makes the ranks of one tensor-parallel run one
+side (against a golden of one process); align.py pairs processes, rounds, ops and tensors (by
+ID, by name, by an op map, or by execution order and shape between two implementations); the
+pieces of a joined side's tensors are joined where they are loaded; metrics.py compares each
+pair; divergence.py judges them and finds the first diverging op; scan.py looks at each side's
+compared tensors for NaN/Inf and overflow. The stages share the
 records of comparison.py; the whole result (result.py) is written by the renderers:
 resulttable.py (`atb_compare_result.csv` and `.xlsx`, msprobe's columns first), summary.py
 (`atb_compare_summary.json`, for scripts and CI) and report.py (`atb_compare_report.html`).
