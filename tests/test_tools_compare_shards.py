@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,21 @@ def test_a_perturbed_layer_of_the_two_rank_run_is_named(golden, faulty):
     assert module_path(next(r.golden for r in result.rows
                             if r.op_path == result.finding.op_path)) == \
         "model.layers.1.mlp.down_proj"
+
+
+def test_ranks_that_ran_different_ops_are_not_joined(golden, two_ranks, tmp_path):
+    """Pipeline stages: rank 1 ran other layers than rank 0. The processes are paired by device,
+    as before, and rank 1 is left unmatched."""
+    stages = tmp_path / "atb_dump_data"
+    shutil.copytree(two_ranks, stages)
+    rank1 = next(p for p in (stages / "data").iterdir() if p.name.startswith("1_"))
+    for csv in rank1.glob("*/statistic.csv"):
+        lines = csv.read_text().splitlines(keepends=True)
+        csv.write_text("".join(line for line in lines if ",3_" not in line and ",3," not in line))
+    result = compare_dumps(str(golden), str(stages), CompareMode.TENSOR)
+    assert result.ranks is None
+    assert [u.what for u in result.unmatched if u.kind == "process"] == \
+        [f"process {rank1.name}"]
 
 
 def test_the_command_says_the_ranks_were_joined(golden, two_ranks, tmp_path):

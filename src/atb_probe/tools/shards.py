@@ -2,7 +2,7 @@
 
 A run split over N ranks (torchrun, an engine's workers) writes one `<dev>_<pid>` folder per rank,
 devices 0..N-1, with the same rounds and the same op IDs, since every rank runs the same code on
-its part of the weights. Compared against a golden run of fewer ranks (one), the ranks are one
+its part of the weights (ranks that run different ops, pipeline stages, are not joined). Compared against a golden run of fewer ranks (one), the ranks are one
 side: the alignment pairs the golden's ops with rank 0's, and each paired tensor of rank 0 is
 joined with the tensors of the same ID, side and index on the other ranks before the metrics.
 
@@ -356,13 +356,17 @@ def find_ranks(golden: Dump, target: Dump) -> RankGroup | None:
 
 
 def _are_ranks(processes: list[Process]) -> bool:
-    """Devices 0..N-1 (N > 1), one process each, with the same round numbers."""
+    """Devices 0..N-1 (N > 1), one process each, with the same round numbers and the same ops
+    in the first (pipeline stages run different ops: those are paired process by process)."""
     if len(processes) < 2:
         return False
     if sorted(p.device for p in processes) != list(range(len(processes))):
         return False
-    rounds = {tuple(r.index for r in p.rounds) for p in processes}
-    return len(rounds) == 1
+    if len({tuple(r.index for r in p.rounds) for p in processes}) != 1 or \
+            not processes[0].rounds:
+        return False
+    ops = {frozenset((op.op_id, op.op_name) for op in p.rounds[0].ops) for p in processes}
+    return len(ops) == 1
 
 
 def parallel_plan(dump: Dump) -> dict[str, str]:
