@@ -87,11 +87,9 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
         raise CompareError(
             f"GOLDEN is a {g_dump.kind} folder but TARGET is a {t_dump.kind} folder: give two "
             "round folders (data/<dev>_<pid>/<round>), or two dump roots / process folders")
-    ranks = find_ranks(g_dump, t_dump)   # one side's ranks joined, aligned as rank 0
-    if ranks is not None and ranks.role == Role.GOLDEN:
-        g_dump = ranks.lead()
-    elif ranks is not None:
-        t_dump = ranks.lead()
+    ranks = find_ranks(g_dump, t_dump)
+    if ranks is not None:    # one side's ranks are one side, aligned as its rank 0
+        g_dump, t_dump = ranks.lead(g_dump, t_dump)
     alignment: Alignment = align_dumps(g_dump, t_dump, opmap)
     work: list[RefPair] = []
     spans: list[_OpSpan] = []
@@ -129,9 +127,7 @@ def _refs(pair, ranks) -> tuple[TensorRef, TensorRef]:
     """The (golden, target) refs of a tensor pair; on a side of joined ranks, the whole's."""
     if ranks is None:
         return TensorRef.of(pair.golden), TensorRef.of(pair.target)
-    if ranks.role == Role.GOLDEN:
-        return ranks.ref(pair.golden, pair.target), TensorRef.of(pair.target)
-    return TensorRef.of(pair.golden), ranks.ref(pair.target, pair.golden)
+    return ranks.refs(pair.golden, pair.target)
 
 
 def _target_only(rp: RoundPair) -> list[OpRows]:

@@ -200,9 +200,16 @@ class RankGroup:
         self._children: dict[int, dict[str, list[str]]] = {}   # by round, by parent op path
         self._reduce_at: dict[tuple[int, str], int | None] = {}
 
-    def lead(self) -> Dump:
-        """The dump as rank 0 alone: what the alignment sees."""
-        return Dump(self.dump.path, self.dump.kind, self.processes[:1], self.dump.root)
+    def lead(self, golden: Dump, target: Dump) -> tuple[Dump, Dump]:
+        """The two dumps as the alignment sees them: this side as its rank 0 alone."""
+        lead = Dump(self.dump.path, self.dump.kind, self.processes[:1], self.dump.root)
+        return (lead, target) if self.role == Role.GOLDEN else (golden, lead)
+
+    def refs(self, golden: TensorRecord, target: TensorRecord) -> tuple[TensorRef, TensorRef]:
+        """The refs of a pair of tensors, this side's joined with its other ranks' pieces."""
+        if self.role == Role.GOLDEN:
+            return self.ref(golden, target), TensorRef.of(target)
+        return TensorRef.of(golden), self.ref(target, golden)
 
     def ref(self, record: TensorRecord, other: TensorRecord) -> TensorRef:
         """The ref of rank 0's `record` joined with its pieces on the other ranks; `other` is
