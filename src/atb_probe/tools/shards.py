@@ -262,11 +262,11 @@ class RankGroup:
         return index.get((record.op_id, record.op_name, record.io, record.index))
 
     def _placement(self, record: TensorRecord) -> str | None:
-        """Rank 0's DTensor placement of the tensor, from its op's op_param.json."""
-        shards = self._op_param(record.round, record.op_path).get("dtensors")
-        if not isinstance(shards, dict):
-            param = self._facts(record.round, record.op_path).get("param")
-            shards = param.get("dtensors") if isinstance(param, dict) else None
+        """Rank 0's DTensor placement of the tensor, from its op's op_param.json (or its
+        structure node's `param`)."""
+        facts = self._facts(record.round, record.op_path)
+        param = facts.get("param")
+        shards = facts.get("dtensors", param.get("dtensors") if isinstance(param, dict) else None)
         if not isinstance(shards, dict):
             return None
         meta = shards.get(layout.tensor_name(record.io, record.index))
