@@ -222,7 +222,7 @@ def compare_pair(golden: TensorRef, target: TensorRef, mode: CompareMode = Compa
         g_arr, g_why = _load(golden, buffers[0])
         t_arr, t_why = _load(target, buffers[1])
         for side, why in ((Role.GOLDEN, g_why), (Role.TARGET, t_why)):
-            if why:
+            if why and not any(n.startswith(f"{side}: ") for n in notes):  # said it already
                 notes.append(f"{side}: {why}")
     g_stats, t_stats = golden.stats, target.stats
     if g_arr is not None and t_arr is not None and mode != CompareMode.STATISTICS:
