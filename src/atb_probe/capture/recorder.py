@@ -302,22 +302,25 @@ class Recorder:
 
     def forget_written(self, layer: LayerRecord, pairs, written: tuple) -> None:
         """An in-place kernel is about to change these tensors: statistics still pending are
-        computed now, their bytes on disk are no longer theirs, and their memory is no longer
-        uninitialised."""
+        computed now, those kept for their present values are dropped (a collective writes
+        without bumping the version counter), their bytes on disk are no longer theirs, and
+        their memory is no longer uninitialised."""
         if layer.pending is not None:
             layer.pending.resolve()
+        tensors = [t for name, value in pairs if name in written
+                   for t in (value if isinstance(value, (tuple, list)) else (value,))
+                   if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            self.stats.forget(t)
         if not (layer.written or layer.uninit):
             return
-        for name, value in pairs:
-            if name not in written:
-                continue
-            for t in value if isinstance(value, (tuple, list)) else (value,):
-                key = same_bytes_key(t) if isinstance(t, torch.Tensor) else None
-                if key is not None:
-                    for k in [k for k in layer.written if k[2] == key[2]]:
-                        del layer.written[k]
-                    if layer.uninit:
-                        layer.uninit.discard(key[2])
+        for t in tensors:
+            key = same_bytes_key(t)
+            if key is not None:
+                for k in [k for k in layer.written if k[2] == key[2]]:
+                    del layer.written[k]
+                if layer.uninit:
+                    layer.uninit.discard(key[2])
 
     @staticmethod
     def allocated(layer: LayerRecord, out) -> None:

@@ -154,6 +154,16 @@ class StatsCache:
             self._seen.clear()
             self._limit = self._seen_limit = MIN_ENTRIES
 
+    def forget(self, t) -> None:
+        """`t` is about to be written by a kernel: what is kept for it at its present version is
+        no longer its value. A kernel that bumps the version counter makes this moot; a
+        collective (`c10d::allreduce_`, gloo or NCCL writing in place) does not bump it."""
+        key, version = memory_key(t), _version(t)
+        with self._lock:
+            self._seen.pop(id(t), None)
+            if key is not None and version is not None:
+                self._entries.pop(key + (version,), None)
+
     def side(self, queue: Queue, tensors: list, kernel_output: bool = False, inputs_seen=None,
              remember_inputs: bool = False):
         """The cells of `tensors`, in order: earlier results, or new cells pending in

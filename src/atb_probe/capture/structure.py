@@ -87,10 +87,13 @@ class StructureFiles:
                 nodes = structure.layer_nodes
                 if not nodes:
                     return
-                file = ModelFile(layout.model_info_dir(rnd.devpid), {
-                    "modelName": f"{model.name}_{rnd.phase}", "modelType": model.name,
-                    "phase": rnd.phase, "param": _model_param(rnd.root_module), "rounds": [],
-                    "nodes": nodes})
+                doc = {"modelName": f"{model.name}_{rnd.phase}", "modelType": model.name,
+                       "phase": rnd.phase, "param": _model_param(rnd.root_module)}
+                plan = _parallel_plan(rnd.root_module)
+                if plan:
+                    doc["tpPlan"] = plan
+                file = ModelFile(layout.model_info_dir(rnd.devpid),
+                                 {**doc, "rounds": [], "nodes": nodes})
                 self._model_files[model.name, rnd.phase] = file
                 file.add_round(rnd.index)
                 self._write_model_file(file)
@@ -195,6 +198,22 @@ def node_of(frame) -> dict:
 
 def _count(node: dict) -> int:
     return sum(1 + _count(n) for n in node["nodes"])
+
+
+def _parallel_plan(root) -> dict:
+    """The tensor-parallel plan in effect (module path pattern -> style, as `transformers`
+    keeps it in `tp_plan`) of a model whose weights are split over ranks (`DTensor`s); {} for
+    any other. compare joins the ranks' pieces by it (tools/shards.py)."""
+    root = getattr(root, "_orig_mod", root)
+    try:
+        plan = getattr(root, "tp_plan", None)
+        if not isinstance(plan, dict) or not plan:
+            return {}
+        if not any(type(p).__name__ == "DTensor" for p in root.parameters()):
+            return {}
+        return {str(k): str(v) for k, v in plan.items()}
+    except Exception:
+        return {}
 
 
 def _model_param(root) -> dict:

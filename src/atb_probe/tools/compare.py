@@ -1,10 +1,12 @@
 """`atb-probe compare GOLDEN TARGET [-o OUT]`: compare two dumps tensor by tensor.
 
 GOLDEN and TARGET are dumps opened at the same level (roots, `<dev>_<pid>` folders or round
-folders; see dumpreader). The pipeline: align.py pairs processes, rounds, ops and tensors (by
-ID, by name, by an op map, or by execution order and shape between two implementations);
-metrics.py compares each pair; divergence.py judges them and finds the first diverging op;
-scan.py looks at each side's compared tensors for NaN/Inf and overflow. The stages share the
+folders; see dumpreader). The pipeline: shards.py makes the ranks of one tensor-parallel run one
+side (against a golden of one process); align.py pairs processes, rounds, ops and tensors (by
+ID, by name, by an op map, or by execution order and shape between two implementations); the
+pieces of a joined side's tensors are joined where they are loaded; metrics.py compares each
+pair; divergence.py judges them and finds the first diverging op; scan.py looks at each side's
+compared tensors for NaN/Inf and overflow. The stages share the
 records of comparison.py; the whole result (result.py) is written by the renderers:
 resulttable.py (`atb_compare_result.csv` and `.xlsx`, msprobe's columns first), summary.py
 (`atb_compare_summary.json`, for scripts and CI) and report.py (`atb_compare_report.html`).
@@ -42,6 +44,7 @@ from .conventions import choose, op_names
 from .opmap import OpMap, load_map
 from .result import CompareResult
 from .scan import scan_compared
+from .shards import JoinedRanks, find_ranks, joined_note, load_joined
 
 MODES = tuple(mode.value for mode in CompareMode)
 BATCH_ELEMENTS = 1 << 23     # elements per batch sent to a worker (32 MB of float32 per side)
@@ -86,6 +89,9 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
         raise CompareError(
             f"GOLDEN is a {g_dump.kind} folder but TARGET is a {t_dump.kind} folder: give two "
             "round folders (data/<dev>_<pid>/<round>), or two dump roots / process folders")
+    ranks = find_ranks(g_dump, t_dump)
+    if ranks is not None:    # one side's ranks are one side, aligned as its rank 0
+        g_dump, t_dump = ranks.lead(g_dump, t_dump)
     chosen = choose(op_names(g_dump), op_names(t_dump), opmap, automatic=conventions)
     alignment: Alignment = align_dumps(g_dump, t_dump, chosen and chosen.opmap,
                                        chosen and chosen.left)
@@ -99,8 +105,7 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
         for op in rp.ops:
             start = len(work)
             # An allocation kernel's output holds whatever the memory held: nothing to compare.
-            work.extend(RefPair(TensorRef.of(p.golden), TensorRef.of(p.target), p.method)
-                        for p in op.tensors
+            work.extend(RefPair(*_refs(p, ranks), p.method) for p in op.tensors
                         if not (p.golden.uninitialized or p.target.uninitialized))
             spans.append(_OpSpan(rp.target.index, op.target.op_path, op.golden.op_path, start,
                                  len(work)))
@@ -119,7 +124,15 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
                          finding, [RoundNumbers(rp.golden.index, rp.target.index)
                                    for rp in alignment.rounds],
                          alignment.name_matched, scan_compared(rows), max(1, jobs),
-                         verdict.unjudged, chosen.opmap.title() if chosen else "")
+                         verdict.unjudged, chosen.opmap.title() if chosen else "",
+                         ranks.summary if ranks is not None else None)
+
+
+def _refs(pair, ranks) -> tuple[TensorRef, TensorRef]:
+    """The (golden, target) refs of a tensor pair; on a side of joined ranks, the whole's."""
+    if ranks is None:
+        return TensorRef.of(pair.golden), TensorRef.of(pair.target)
+    return ranks.refs(pair.golden, pair.target)
 
 
 def _target_only(rp: RoundPair) -> list[OpRows]:
@@ -201,13 +214,20 @@ def compare_pair(golden: TensorRef, target: TensorRef, mode: CompareMode = Compa
         row.note = "empty tensor"
         return row
     notes = []
+    for side, ref in ((Role.GOLDEN, golden), (Role.TARGET, target)):
+        note = joined_note(ref.pieces)
+        if note:
+            notes.append(f"{side}: {note}")
+        if ref.pieces is not None and ref.pieces.join is None:
+            row.note = "; ".join(notes)    # never compared as if one rank's piece were all
+            return row
     g_arr = t_arr = None
     if mode != CompareMode.STATISTICS or golden.stats is None or target.stats is None:
         buffers = _buffers()
         g_arr, g_why = _load(golden, buffers[0])
         t_arr, t_why = _load(target, buffers[1])
         for side, why in ((Role.GOLDEN, g_why), (Role.TARGET, t_why)):
-            if why:
+            if why and not any(n.startswith(f"{side}: ") for n in notes):  # said it already
                 notes.append(f"{side}: {why}")
     g_stats, t_stats = golden.stats, target.stats
     if g_arr is not None and t_arr is not None and mode != CompareMode.STATISTICS:
@@ -251,10 +271,19 @@ def _buffers() -> tuple[ReadBuffer, ReadBuffer]:
 
 
 def _load(ref: TensorRef, buffer: ReadBuffer):
+    """The values of a tensor (the whole of a joined one) and a note: why there are none, or
+    that ranks meant to agree do not."""
     try:
         if ref.derive is not None:
             # The parts are alive together: none of them goes into the shared buffer.
-            return ref.derive.apply([load_values(p.path) for p in ref.parts]), ""
+            loaded = [_load(p, ReadBuffer()) for p in ref.parts]
+            missing = next((why for values, why in loaded if values is None), None)
+            if missing is not None:
+                return None, missing
+            return ref.derive.apply([values for values, _ in loaded]), \
+                "; ".join(why for _, why in loaded if why)
+        if ref.pieces is not None:
+            return load_joined(ref.pieces)
         return load_values(ref.path, buffer), ""
     except NoData as exc:
         return None, str(exc)
@@ -373,6 +402,8 @@ def _compare(args) -> int:
     out.print(f"compared {len(result.rows)} tensors in {len(result.rounds)} round(s): "
               f"{c.tensor} by tensor, {c.statistics} by statistics, "
               f"{c.no_data} without data; {c.crossing} cross the thresholds")
+    if result.ranks is not None:
+        _print_ranks(out, result.ranks)
     if result.name_matched_ops:
         out.print(f"{result.name_matched_ops} op(s) were paired by name, map or execution "
                   "order because the two runs' op structures differ there (column Match)")
@@ -389,6 +420,19 @@ def _compare(args) -> int:
     for path in paths:
         out.print(f"wrote {path}")
     return 1 if args.fail_on_divergence and result.finding is not None else 0
+
+
+def _print_ranks(out, ranks: JoinedRanks, limit: int = 10) -> None:
+    """That one side's ranks were joined, and the tensors whose pieces could not be."""
+    out.print(f"{ranks.role}: {ranks.describe()}")
+    if not ranks.undecided:
+        return
+    out.print(f"{len(ranks.undecided)} tensors of the {ranks.role} were not compared: their "
+              "ranks' pieces could not be joined (column Note):")
+    for u in ranks.undecided[:limit]:
+        out.print(f"  {u.name}: {u.reason}")
+    if len(ranks.undecided) > limit:
+        out.print(f"  ... and {len(ranks.undecided) - limit} more")
 
 
 def _print_unmatched(out, unmatched: list[Unmatched], sheet: str | None,

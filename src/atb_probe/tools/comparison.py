@@ -122,6 +122,25 @@ class Derivation:
                      math.sqrt(sum(s.norm ** 2 for s in parts)))
 
 
+class Join(StrEnum):
+    """How the pieces of one tensor on the ranks of one run make the whole (shards.py)."""
+
+    CONCAT = "concat"            # each rank holds a slice along one dimension
+    SUM = "sum"                  # each rank holds a partial result
+    REPLICATED = "replicated"    # each rank holds all of it
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """A tensor held by the ranks of one run: every rank's file and how they join; `join` None
+    when that could not be decided (`reason` says why; such a tensor is never compared)."""
+
+    join: Join | None
+    dim: int                     # the dimension of a CONCAT
+    paths: tuple[str | None, ...]   # every rank's .bin, rank 0 first
+    reason: str                  # what decided the join, or why none could be
+
+
 @dataclass(slots=True)
 class TensorRef:
     """What the comparison needs of one dumped tensor; small, so it crosses to a worker
@@ -139,6 +158,7 @@ class TensorRef:
     io: Side
     parts: tuple[TensorRef, ...] = ()   # a derived tensor: the tensors it is computed from
     derive: Derivation | None = None    # and how (opmap.py)
+    pieces: Pieces | None = None  # a tensor of several ranks: shape and stats are the whole's
 
     @classmethod
     def of(cls, record) -> TensorRef:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .comparison import CompareMode, PairMode, PairResult, RoundNumbers, Thresholds, Unmatched
 from .divergence import Finding, Unjudged
 from .scan import RoundScan
+from .shards import JoinedRanks
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class CompareResult:
     jobs: int = 1
     unjudged: list[Unjudged] = field(default_factory=list)   # ops whose outputs have no metrics
     conventions: str = ""                      # the op map in force: `vLLM against ... (built in)`
+    ranks: JoinedRanks | None = None           # one side's ranks joined into one
 
     def counts(self) -> Counts:
         counts = Counts()
@@ -58,20 +60,24 @@ class CompareResult:
         c = self.counts()
         rounds = ", ".join(f"{r.golden}~{r.target}" if r.golden != r.target else str(r.golden)
                            for r in self.rounds)
-        return [("golden", self.golden), ("target", self.target),
-                ("rounds compared", rounds or "none"),
-                ("tensors compared", str(len(self.rows))),
-                ("tensor mode", str(c.tensor)), ("statistics mode", str(c.statistics)),
-                ("no data", str(c.no_data)), ("crossing the thresholds", str(c.crossing)),
-                ("ops paired by name, map or order (structures differ)",
-                 str(self.name_matched_ops)),
-                ("conventions", self.conventions or "none"),
-                ("unmatched entries", str(sum(1 for u in self.unmatched if not u.expected))),
-                ("no counterpart by convention",
-                 str(sum(1 for u in self.unmatched if u.expected))),
-                ("thresholds", self.thresholds.describe()),
-                ("ops that could not be judged", str(len(self.unjudged))),
-                ("first divergence", self.verdict_text())]
+        lines = [("golden", self.golden), ("target", self.target)]
+        if self.ranks is not None:
+            lines += [(f"{self.ranks.role} ranks", self.ranks.describe()),
+                      ("tensors whose ranks could not be joined",
+                       str(len(self.ranks.undecided)))]
+        return lines + [
+            ("rounds compared", rounds or "none"),
+            ("tensors compared", str(len(self.rows))),
+            ("tensor mode", str(c.tensor)), ("statistics mode", str(c.statistics)),
+            ("no data", str(c.no_data)), ("crossing the thresholds", str(c.crossing)),
+            ("ops paired by name, map or order (structures differ)",
+             str(self.name_matched_ops)),
+            ("conventions", self.conventions or "none"),
+            ("unmatched entries", str(sum(1 for u in self.unmatched if not u.expected))),
+            ("no counterpart by convention", str(sum(1 for u in self.unmatched if u.expected))),
+            ("thresholds", self.thresholds.describe()),
+            ("ops that could not be judged", str(len(self.unjudged))),
+            ("first divergence", self.verdict_text())]
 
     def verdict_text(self) -> str:
         """The verdict in one paragraph: the finding, or why there is none and what that

@@ -4,7 +4,7 @@ One JSON object (keys in docs/analysis.md): the first divergence with both sides
 process, op path, op name and tensor, the metric that crosses and its value, and what its
 inputs say (clean, unknown, crossing); the counts; the thresholds; the rounds paired; the ops
 that could not be judged; what could not be aligned, grouped by side, kind and place, with the
-reason; and the verdict as the console prints it. Strict JSON: a number that is not finite is
+reason; the ranks joined into one side (shards.py); and the verdict as the console prints it. Strict JSON: a number that is not finite is
 written as the string `inf`, `-inf` or `nan`.
 """
 from __future__ import annotations
@@ -44,6 +44,10 @@ def summary_doc(result: CompareResult) -> dict:
         "rounds": [{"golden": r.golden, "target": r.target} for r in result.rounds],
         "unjudged": [_unjudged(u) for u in result.unjudged],
         "unmatched": _unmatched_groups(result.unmatched),
+        "ranks_joined": None if result.ranks is None else {
+            "side": str(result.ranks.role), "ranks": result.ranks.ranks,
+            "not_joined": [{"tensor": u.name, "why": u.reason}
+                           for u in result.ranks.undecided]},
     }
 
 
