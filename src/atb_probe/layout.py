@@ -6,6 +6,8 @@
       data/<dev>_<pid>/                             process_dir(devpid)
         <round>/                                    round_dir(devpid, round)
           statistic.csv                             round_csv(round_rel)
+          request_statistic.csv                     statcsv.REQUEST_FILE_NAME
+          tokens.json                               TOKENS_JSON
           <id>_<Name>/                              op_folder(own_id, name)
             before/intensor<index>.bin              tensor_file("input", index)
             after/outtensor<index>.bin              tensor_file("output", index)
@@ -40,6 +42,7 @@ DATA_DIR = "data"
 INFO_DIR = "info"
 STATUS_DIR = "status"
 OP_PARAM = "op_param.json"
+TOKENS_JSON = "tokens.json"  # a round's token layout (tokens.py)
 INFO_KINDS = ("layer", "model")
 
 

@@ -1,6 +1,7 @@
-"""statistic.csv: the per-round table of every tensor written (SPEC §5).
+"""statistic.csv: the per-round table of every tensor written (SPEC §5); and
+request_statistic.csv, the same statistics per request of a round holding several (SPEC §9).
 
-One file per round directory, with `HEADER` as its first line. The recorder hands rows over as
+One file per round directory, with `HEADER` (`REQUEST_HEADER`) as its first line. The recorder hands rows over as
 side tuples (below), one per op side; the writer formats them (`format_sides`) and appends them
 in batches through an atomic replace of the file (`SafeTree.append_lines`), so a killed process
 leaves only complete lines behind.
@@ -17,6 +18,11 @@ COLUMNS = ("Device and PID", "Execution Count", "Op Name", "Op Type", "Op Id", "
            "Index", "Dtype", "Format", "Shape", "Max", "Min", "Mean", "Norm", "Tensor Path")
 HEADER = ",".join(COLUMNS) + "\n"
 NA = "N/A"
+# The statistics of each request's slice of a tensor that has the round's token dimension
+# (tokens.py): statistic.csv's columns (Shape the slice's, Tensor Path N/A), then the request.
+REQUEST_FILE_NAME = "request_statistic.csv"
+REQUEST_COLUMNS = COLUMNS + ("Request",)
+REQUEST_HEADER = ",".join(REQUEST_COLUMNS) + "\n"
 
 
 def format_number(value: float | None) -> str:
@@ -48,7 +54,8 @@ def _cell(text: str) -> str:
 # (stats_cell.py) or None, its Tensor Path cell (`tensor_path_cell`) or None (no file: N/A).
 # Flat tuples, not record classes: Python's garbage collector stops tracking an exact tuple of
 # strings and bytearrays at its first collection (nested tuples take one collection per level),
-# and many rows wait for the writer at once (see stats_cell.py).
+# and many rows wait for the writer at once (see stats_cell.py). In request_statistic.csv's side
+# records the last cell of a row is its request (a str) instead of a Tensor Path.
 HEAD_CELLS, ROW_CELLS = 6, 5
 
 # A Tensor Path cell: a bytearray (untracked by the garbage collector, like the statistics
@@ -102,6 +109,23 @@ def format_sides(sides: Iterable[tuple], round_path: str = "") -> str:
             else:
                 path = _cell(prefix + file[1:].decode("utf-8", "surrogateescape"))
             add(f"{head},{index},{dtype},nd,{shape},{stats},{path}\n")
+    return "".join(lines)
+
+
+def format_request_sides(sides: Iterable[tuple]) -> str:
+    """CSV text of request_statistic.csv's side records (see above)."""
+    lines = []
+    add = lines.append
+    numbers: dict = {}
+    for side in sides:
+        head = ",".join(map(_cell, side[:HEAD_CELLS]))
+        cells = iter(side[HEAD_CELLS:])
+        for index, dtype, shape, stat, request in zip(cells, cells, cells, cells, cells):
+            stats = numbers.get(id(stat))
+            if stats is None:
+                st = values(stat)
+                stats = numbers[id(stat)] = _NA_STATS if st is None else "%r,%r,%r,%r" % st
+            add(f"{head},{_cell(index)},{dtype},nd,{shape},{stats},{NA},{_cell(request)}\n")
     return "".join(lines)
 
 

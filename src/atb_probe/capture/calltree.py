@@ -37,6 +37,7 @@ from .frames import Below, Frame, RoundRun
 from .models import ModelCatalog, phase_of, uncompiled
 from .ops import OpWalker
 from .recorder import Recorder
+from .tokens import call_layout
 from .vllm import VllmSteps
 
 _CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
@@ -56,13 +57,14 @@ class Step:
     """An engine step in one thread: its root calls share one round, started at the first of
     them and ended with the step (SPEC §8)."""
 
-    __slots__ = ("depth", "phase", "passive", "round")
+    __slots__ = ("depth", "phase", "passive", "round", "tokens")
 
     def __init__(self, phase: str | None, passive: bool):
         self.depth = 1             # nested steps join the outer one
         self.phase = phase         # the engine's word on the phase, or None: the root's cache
         self.passive = passive     # begun while the probe slept: not a round, even if it wakes
         self.round: RoundRun | None = None
+        self.tokens = None         # the engine's word on the token layout (tokens.py), or None
 
 
 _UNSEEN_FRAME = Frame(_UNSEEN)
@@ -198,7 +200,8 @@ class Engine:
             if step is not None:
                 rnd = None if step.passive else step.round
                 if rnd is None and not step.passive and not torch.compiler.is_compiling():
-                    rnd = step.round = self.begin_round(module, args, kwargs, step.phase)
+                    rnd = step.round = self.begin_round(module, args, kwargs, step.phase,
+                                                        step.tokens)
                 elif rnd is not None and rnd.dumping and not rnd.main:
                     self._main_root(rnd, module, args, kwargs, step.phase)
             # Once sleep is requested no new round starts, so the running ones drain and the
@@ -258,7 +261,10 @@ class Engine:
         rnd.root_module = module
         rnd.phase = phase or phase_of(self.models.info(uncompiled(module)).params, args, kwargs)
 
-    def begin_round(self, module, args, kwargs, phase: str | None = None) -> RoundRun:
+    def begin_round(self, module, args, kwargs, phase: str | None = None,
+                    tokens=None) -> RoundRun:
+        """A round begins at this root call; `phase` and `tokens` (its token layout) are an
+        engine's word on them, else the root call's arguments tell."""
         start = self.source.start_round(module, args, kwargs)
         dumping = start.dumping
         with self._lock:
@@ -273,9 +279,20 @@ class Engine:
             info = self.models.info(uncompiled(module))
             rnd.main = info.holds_blocks
             rnd.phase = phase or phase_of(info.params, args, kwargs)
+            if tokens is None:
+                tokens = self._call_tokens(model, info, args, kwargs)
+            self.recorder.set_tokens(rnd, tokens)
             if model.compiled or _dynamo_compiled():
                 self.compile_notice.say()
         return rnd
+
+    def _call_tokens(self, model, info, args, kwargs):
+        """The token layout a root call's arguments give (capture/tokens.py), or None."""
+        try:
+            return call_layout(info.params, args, kwargs, model.prompts)
+        except Exception as exc:
+            self.source.report(exc)
+            return None
 
     def end_round(self, rnd: RoundRun) -> None:
         self.tls.round = None
@@ -333,6 +350,17 @@ class Steps:
     def current(self) -> Step | None:
         """The engine step this thread is in, or None."""
         return self.tls.step
+
+    def set_tokens(self, tokens) -> None:
+        """The engine's word on the token layout of the step this thread is in (tokens.py):
+        for its round, begun already or not yet."""
+        step = self.tls.step
+        if step is None:
+            return
+        step.tokens = tokens
+        rnd = step.round
+        if rnd is not None and rnd.dumping:
+            self.engine.recorder.set_tokens(rnd, tokens)
 
     def end(self, step: Step | None = None) -> None:
         """The step begun last in this thread ends (only if it is `step`, when given); the

@@ -16,6 +16,7 @@ from torch import nn
 from ..naming import sanitize
 from ..rounds import Phase
 from .arguments import forward_params
+from .tokens import ModelPrompts
 
 
 class ModuleInfo:
@@ -45,13 +46,14 @@ def is_block_list(module: nn.Module) -> bool:
 
 
 class Model:
-    """One root module instance: its name, module paths and what its structure files hold.
+    """One root module instance: its name, module paths, what its structure files hold and the
+    prompts of its batch rows.
 
     `name` is the class name for the first instance of that class in the process and
     `<Class>_<k>` for later ones (SPEC §1), so two models of one class (a draft model in
     speculative decoding) never share structure files."""
 
-    __slots__ = ("name", "first", "paths", "compiled")
+    __slots__ = ("name", "first", "paths", "compiled", "prompts")
 
     def __init__(self, name: str, first: bool, module: nn.Module):
         self.name = name
@@ -61,6 +63,7 @@ class Model:
         # read as in the model's code (`model.layers.0`, not `_orig_mod.model.layers.0`).
         self.paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.compiled = inner is not module
+        self.prompts = ModelPrompts()  # its batch rows' prompts, for decode rounds' tokens.json
         for path, m in inner.named_modules():
             self.paths.setdefault(m, path)
             if getattr(m, "_compiled_call_impl", None) is not None or uncompiled(m) is not m:

@@ -32,7 +32,9 @@ from ..binfile import encode_header, encode_reference
 from ..layout import INPUT, OUTPUT
 from ..naming import sanitize
 from ..record.jobs import JsonJob, RowsJob, TensorFileJob
-from ..statcsv import FILE_NAME as CSV_FILE, HEADER, shape_cell, side_rows, tensor_path_cell
+from ..statcsv import (FILE_NAME as CSV_FILE, HEADER, REQUEST_FILE_NAME, REQUEST_HEADER,
+                       shape_cell, side_rows, tensor_path_cell)
+from ..tokens import Arrangement, TokenLayout
 from .arguments import bind_args
 from .stats_reuse import Queue, StatsCache
 from .structure import RoundStructure, StructureFiles
@@ -67,12 +69,13 @@ class LayerRecord:
     rows (handed over in one piece when the layer ends), its pending statistics, whether its
     structure is collected, and the memory nothing has written yet."""
 
-    __slots__ = ("written", "collect", "rows", "deferred", "pending", "uninit")
+    __slots__ = ("written", "collect", "rows", "request_rows", "deferred", "pending", "uninit")
 
     def __init__(self, collect: bool, deferred: bool = False):
         self.written = {}     # same_bytes_key -> (weakref to tensor, path in round)
         self.collect = collect
         self.rows = []
+        self.request_rows = []    # request_statistic.csv's, the same way
         self.deferred = deferred  # kernels seen: statistics may wait for the end
         self.pending = None       # stats_reuse.Queue, once something is pending
         # Storage addresses of allocation kernels' outputs (`torch.empty`) that no kernel has
@@ -81,14 +84,18 @@ class LayerRecord:
 
 
 class RoundRecord:
-    """Per dumped round: its folder, whether it wrote any tensor or row, its structure."""
+    """Per dumped round: its folder, whether it wrote any tensor or row, its structure, its
+    token layout (tokens.py) and, when request_statistic.csv is written, that layout again as
+    `by_request`."""
 
-    __slots__ = ("rel", "wrote", "structure")
+    __slots__ = ("rel", "wrote", "structure", "tokens", "by_request")
 
     def __init__(self, devpid: str, index: int):
         self.rel = layout.round_dir(devpid, index)
         self.wrote = False
         self.structure = RoundStructure()
+        self.tokens: TokenLayout | None = None
+        self.by_request: TokenLayout | None = None
 
 
 class Recorder:
@@ -106,6 +113,7 @@ class Recorder:
         self.stats = StatsCache()
         self.structure = StructureFiles(sink)
         self._rows = _RowHandover(sink, self.stats)
+        self._request_rows = _RowHandover(sink, self.stats, requests=True)
 
     # -- rounds and layers ------------------------------------------------------------------
 
@@ -113,6 +121,15 @@ class Recorder:
     def begin_round(devpid: str, index: int) -> RoundRecord:
         """The record of a dumped round."""
         return RoundRecord(devpid, index)
+
+    @staticmethod
+    def set_tokens(rnd, tokens: TokenLayout | None) -> None:
+        """The round's token layout: written with it (tokens.json), and its tensors' statistics
+        per request (request_statistic.csv) when they say more than the tensor's."""
+        record = rnd.record
+        record.tokens = tokens
+        record.by_request = tokens if tokens is not None and tokens.per_request and \
+            rnd.selection.config.wants_statistics else None
 
     def begin_layer(self, rnd, name: str, op_id: str, tracking: bool) -> LayerRecord:
         """The record of a layer-level op execution; `tracking`: its children are seen."""
@@ -127,6 +144,9 @@ class Recorder:
         if layer.rows:
             rows, layer.rows = layer.rows, []
             self._rows.queue(rnd.record, rows)
+        if layer.request_rows:
+            rows, layer.request_rows = layer.request_rows, []
+            self._request_rows.queue(rnd.record, rows)
 
     def layer_done(self, rnd, frame) -> None:
         self.structure.layer_done(rnd, rnd.record.structure, frame, frame.layer.collect)
@@ -136,9 +156,13 @@ class Recorder:
             self.structure.child_done(parent.record, frame)
 
     def end_round(self, rnd) -> bool:
-        """Hand the round's rows over and update its model file; whether it wrote anything."""
+        """Hand the round's rows over, write its token layout and update its model file;
+        whether it wrote anything."""
         record = rnd.record
         self._rows.hand_over()
+        self._request_rows.hand_over()
+        if record.wrote and record.tokens is not None:
+            self.sink.put(JsonJob(record.rel, layout.TOKENS_JSON, record.tokens.doc()))
         self.structure.end_round(rnd, record.structure)
         return record.wrote
 
@@ -146,6 +170,7 @@ class Recorder:
         """A forked child writes structure files of its own, into its own folders. Rows the
         forking thread had waiting are the parent's to write."""
         self._rows = _RowHandover(self.sink, self.stats)
+        self._request_rows = _RowHandover(self.sink, self.stats, requests=True)
         self.structure.after_fork()
 
     # -- module ops -------------------------------------------------------------------------
@@ -325,6 +350,8 @@ class Recorder:
             else:
                 _skipped(t, frame)
         layer = frame.layer
+        by_request = rnd.record.by_request
+        request_cells = None
         if cfg.wants_statistics or (kernel and cfg.save_child and cfg.filter_level >= 2):
             queue = self._queue(layer)
             if not kernel:
@@ -335,6 +362,9 @@ class Recorder:
             else:
                 stats, _ = self.stats.side(queue, tensors, kernel_output=True,
                                            inputs_seen=record.inputs_seen)
+            if by_request is not None:
+                request_cells = self._request_cells(by_request, queue, tensors,
+                                                    kernel and side == OUTPUT)
             # Deferred only where every in-place kernel is seen (see forget_written).
             if layer is None or not layer.deferred or queue.nbytes > MAX_PENDING_BYTES:
                 queue.resolve()
@@ -355,13 +385,40 @@ class Recorder:
             rnd.record.wrote = True
             # One flat tuple of strings and cells (statcsv.py): the garbage collector lets go
             # of it at its first collection.
-            side_record = (rnd.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id,
-                           side, *rows)
+            head = (rnd.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id, side)
+            side_record = (*head, *rows)
             if layer is not None:
                 layer.rows.append(side_record)
             else:
                 self._rows.queue(rnd.record, [side_record])
+            if request_cells:
+                request_record = (*head, *_request_rows(request_cells, dumpable, labels))
+                if layer is not None:
+                    layer.request_rows.append(request_record)
+                else:
+                    self._request_rows.queue(rnd.record, [request_record])
         return labels
+
+    def _request_cells(self, tokens: TokenLayout, queue: Queue, tensors: list,
+                       kernel_output: bool) -> list:
+        """Statistics cells of each request's slice of the tensors that have the round's token
+        dimension, pending in `queue` with the tensors': (tensor index, request, slice shape,
+        cell) each."""
+        slices, where = [], []
+        flat = tokens.arrangement is Arrangement.FLAT
+        for i, t in enumerate(tensors):
+            if not tokens.has_token_dim(t.shape):
+                continue
+            for span in tokens.requests:
+                piece = t[span.start:span.stop] if flat else \
+                    t[span.row:span.row + 1, span.start:span.stop]
+                slices.append(piece)
+                where.append((i, span.request, piece.shape))
+        if not slices:
+            return []
+        # A kernel's outputs are never looked up (see stats_reuse): neither are their slices.
+        cells, _ = self.stats.side(queue, slices, kernel_output=kernel_output)
+        return [(i, request, shape, cell) for (i, request, shape), cell in zip(where, cells)]
 
     def _write_tensors(self, rnd, frame, side, dumpable, stats, named, kernel):
         """Queue the `.bin` files of one side (data, or references under filter_level 1 and 2);
@@ -413,7 +470,7 @@ class Recorder:
 
 
 class _RowHandover(threading.local):
-    """statistic.csv rows of a thread's round that wait to be handed to the writer in one
+    """statistic.csv rows (request_statistic.csv's with `requests`) of a thread's round that wait to be handed to the writer in one
     piece: one job (the writer's lock, its accounting) per round rather than per layer-level
     op execution. They are handed over at the end of the round (whether the model returned or
     raised), and sooner once `MAX_WAITING_SIDES` sides or `MAX_WAITING_SECONDS` have gathered,
@@ -421,8 +478,9 @@ class _RowHandover(threading.local):
     data: only their shapes and statistics cells). Each job carries what the writer waits on
     before reading them: the `Landed` of the device batches still on their way, or None."""
 
-    def __init__(self, sink, stats: StatsCache):
+    def __init__(self, sink, stats: StatsCache, requests: bool = False):
         self.sink, self.stats = sink, stats
+        self.requests = requests
         self.record = None  # the RoundRecord whose rows wait, or None
         self.sides: list = []
         self.since = 0.0    # when the first of them was queued
@@ -445,8 +503,10 @@ class _RowHandover(threading.local):
         self.record, self.sides = None, []
         if sides:
             size = _ROW_BYTES * sum([side_rows(side) for side in sides])
-            self.sink.put(RowsJob(record.rel, CSV_FILE, sides, HEADER, size,
-                                  self.stats.device.landings.last()))
+            name, header = (REQUEST_FILE_NAME, REQUEST_HEADER) if self.requests else \
+                (CSV_FILE, HEADER)
+            self.sink.put(RowsJob(record.rel, name, sides, header, size,
+                                  self.stats.device.landings.last(), self.requests))
 
 
 # Under the writer's own delay for rows (writer.ROWS_DELAY): the rows of a layer execution reach
@@ -464,6 +524,16 @@ def _safe_label(label: str) -> str:
 
 
 _INDEX = tuple(str(i) for i in range(64))
+
+
+def _request_rows(request_cells: list, dumpable: list, labels: list) -> list:
+    """The cells after the head of a request_statistic.csv side record (statcsv.py): per
+    request slice, its tensor's Index and Dtype, its own Shape, its statistics cell and the
+    request."""
+    rows = []
+    for i, request, shape, cell in request_cells:
+        rows += (labels[i], dumpable[i][3].csv_name, shape_cell(tuple(shape)), cell, request)
+    return rows
 
 
 def _output_items(out) -> list:

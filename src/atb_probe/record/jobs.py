@@ -40,7 +40,7 @@ class JsonJob:
 class RowsJob:
     """statistic.csv rows, as side records (statcsv.py), for the file `rel_dir/name`, a new
     file starting with `header`. `ready`: None, or what to wait for before their statistics
-    cells are read."""
+    cells are read. `requests`: request_statistic.csv's side records."""
 
     rel_dir: str
     name: str
@@ -48,3 +48,4 @@ class RowsJob:
     header: str
     size: int              # accounted bytes
     ready: object = None
+    requests: bool = False

@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .. import log
-from ..statcsv import format_sides, mark_missing
+from ..statcsv import format_request_sides, format_sides, mark_missing
 from .jobs import JsonJob, RowsJob, TensorFileJob
 from .safefs import SafeTree, UnsafePathError
 
@@ -69,10 +69,12 @@ class WriterStats:
 class _Rows:
     """csv rows waiting to be appended to one file."""
 
-    __slots__ = ("header", "parts", "nbytes", "accounted", "due", "file_bytes", "ready")
+    __slots__ = ("header", "requests", "parts", "nbytes", "accounted", "due", "file_bytes",
+                 "ready")
 
-    def __init__(self, header: str, now: float, file_bytes: int):
+    def __init__(self, header: str, now: float, file_bytes: int, requests: bool = False):
         self.header = header
+        self.requests = requests  # request_statistic.csv's rows
         self.parts: list = []  # lists of side records (statcsv.py)
         self.ready: list = []  # what to wait for before reading their statistics cells
         self.nbytes = 0        # bytes of rows waiting (estimated)
@@ -84,6 +86,8 @@ class _Rows:
         """The csv bytes of every waiting row (their Tensor Paths below `round_path`)."""
         for ready in self.ready:
             ready.wait()
+        if self.requests:
+            return "".join(format_request_sides(part) for part in self.parts).encode("utf-8")
         return "".join(format_sides(part, round_path) for part in self.parts).encode("utf-8")
 
 
@@ -104,7 +108,7 @@ class RowBatches:
         new = rows is None
         if new:
             rows = self.waiting[key] = _Rows(job.header, time.monotonic(),
-                                             self._file_bytes.get(key, 0))
+                                             self._file_bytes.get(key, 0), job.requests)
         rows.parts.append(job.sides)
         if job.ready is not None:
             rows.ready.append(job.ready)
