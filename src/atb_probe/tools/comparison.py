@@ -64,6 +64,58 @@ class Role(StrEnum):
     GOLDEN = "golden"            # the reference
     TARGET = "target"            # the dump to check
 
+    def other(self) -> Role:
+        return Role.TARGET if self == Role.GOLDEN else Role.GOLDEN
+
+
+class CutDims(StrEnum):
+    """Which dimensions of a tensor a `TokenSlice` cuts."""
+
+    FLAT = "flat"                # dim 0 is the tokens: `[num_tokens, hidden]`
+    BATCH = "batch"              # dim 0 the batch row, dim 1 its tokens: `[batch, seq, hidden]`
+    ROW = "row"                  # dim 0 the batch row only: a row's tensor that is not per token
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSlice:
+    """The part of a dumped tensor one request's tokens hold: tokens `[start, stop)` along the
+    token dimension (of batch row `row`). A cut row keeps its dimension (`1 x stop-start x
+    hidden`), so it meets the tensor of a run that ran the request alone in the same shape."""
+
+    dims: CutDims
+    row: int = 0
+    start: int = 0
+    stop: int = 0
+
+    def apply(self, array):
+        """The slice of an array (numpy, or anything indexed alike) of the dumped shape."""
+        if self.dims == CutDims.FLAT:
+            return array[self.start:self.stop]
+        if self.dims == CutDims.BATCH:
+            return array[self.row:self.row + 1, self.start:self.stop]
+        return array[self.row:self.row + 1]
+
+    def shape(self, dims: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the slice of a tensor of shape `dims`."""
+        if self.dims == CutDims.FLAT:
+            return (self.stop - self.start,) + dims[1:]
+        if self.dims == CutDims.BATCH:
+            return (1, self.stop - self.start) + dims[2:]
+        return (1,) + dims[1:]
+
+
+@dataclass(frozen=True, slots=True)
+class Positions:
+    """Positions `[start, stop)` of a request's sequence (0: its prompt's first token)."""
+
+    start: int
+    stop: int
+
+    def __str__(self) -> str:
+        """`0-6` (both ends included), or `7` for one token."""
+        last = self.stop - 1
+        return str(self.start) if last == self.start else f"{self.start}-{last}"
+
 
 @dataclass(slots=True)
 class TensorRef:
@@ -80,6 +132,7 @@ class TensorRef:
     order: int                   # position in its round, execution order
     layer: str                   # `2_LlamaDecoderLayer`
     io: Side
+    cut: TokenSlice | None = None   # the part compared, when not the whole tensor
 
     @classmethod
     def of(cls, record) -> TensorRef:
@@ -112,6 +165,8 @@ class PairResult:
     target_stats: Stats | None = None
     diverged: bool | None = None        # None: nothing to judge by
     note: str = ""
+    request: str = ""                   # rounds paired by tokens: the request compared ("1")
+    positions: Positions | None = None  # ... and its positions; None: the whole tensors
 
     def ref(self, role: Role) -> TensorRef:
         """The tensor of one side."""
@@ -120,6 +175,24 @@ class PairResult:
     def stats(self, role: Role) -> Stats | None:
         """The statistics of one side."""
         return self.golden_stats if role == Role.GOLDEN else self.target_stats
+
+    def round_cell(self, role: Role) -> str:
+        """The round of one side as the result table shows it: `3`, or `3[req 1, pos 0-6]`
+        when that side's tensor was cut to the request's tokens."""
+        ref = self.ref(role)
+        if ref.cut is None or not self.request:
+            return str(ref.round_index)
+        return f"{ref.round_index}[req {self.request}, pos {self.positions}]"
+
+    def rounds_text(self) -> str:
+        """Where the pair was compared: the target's round, or both sides' rounds (golden
+        first) with the request's tokens when rounds were paired by tokens."""
+        if not self.request:
+            return str(self.target.round_index)
+        text = f"{self.round_cell(Role.GOLDEN)} ~ {self.round_cell(Role.TARGET)}"
+        if self.golden.cut is None and self.target.cut is None:
+            text += f" (req {self.request}, pos {self.positions})"
+        return text
 
     @property
     def order(self) -> int:
@@ -166,6 +239,8 @@ class UnmatchedKind(StrEnum):
     ROUND = "round"
     OP = "op"                    # an op and its subtree
     TENSOR = "tensor"
+    REQUEST = "request"          # rounds paired by tokens: a request the other run never ran
+    TOKENS = "tokens"            # ... positions of a request the other run never ran
 
 
 @dataclass(slots=True)
