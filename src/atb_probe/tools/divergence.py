@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from .comparison import PairMode, PairResult, Thresholds
+from .comparison import PairMode, PairResult, Positions, Thresholds
 
 
 def crosses(row: PairResult, th: Thresholds) -> bool | None:
@@ -53,6 +53,8 @@ class Finding:
     inputs_clean: bool           # False: no op had clean inputs; this is the first crossing one
     order: int                   # position in the target round
     first_inside: str = ""       # the first crossing tensor within the op (a child's), if any
+    request: str = ""            # rounds paired by tokens: the request whose tokens crossed
+    positions: Positions | None = None   # ... and their positions
 
     def where(self) -> str:
         """The op of both sides: `3_Prefill_layer ↔ 4_LlamaDecoderLayer` (target first), or the
@@ -75,7 +77,7 @@ class Finding:
                     f"{_number(r.golden_stats.norm)}")
         else:
             what = f"relative norm error {_number(r.diffs.norm_rel_pct)}%"
-        where = f"round {self.round_index}, {self.where()} ({r.name.rsplit('/', 1)[1]})"
+        where = f"round {r.rounds_text()}, {self.where()} ({r.name.rsplit('/', 1)[1]})"
         if self.inputs_clean:
             inside = (f"; inside it, {self.first_inside} is the first to differ"
                       if self.first_inside else "")
@@ -93,6 +95,8 @@ class OpRows:
     golden_op_path: str
     inputs: list[PairResult]
     outputs: list[PairResult]
+    request: str = ""            # rounds paired by tokens: the request compared
+    positions: Positions | None = None   # ... and its positions
 
     @property
     def finished(self) -> tuple[int, int]:
@@ -118,7 +122,7 @@ def first_divergence(ops: Iterable[OpRows], th: Thresholds) -> Finding | None:
             continue
         clean = not any(r.diverged for r in op.inputs)
         finding = Finding(op.round_index, op.op_path, op.golden_op_path, bad_out[0], clean,
-                          bad_out[0].order)
+                          bad_out[0].order, request=op.request, positions=op.positions)
         if clean:
             return finding
         fallback = fallback or finding

@@ -38,6 +38,7 @@ class CompareResult:
     name_matched_ops: int = 0                  # op pairs made by name, map or order, not by ID
     scan: list[RoundScan] = field(default_factory=list)   # of each side's compared rounds
     jobs: int = 1
+    pairing: str = "by round number"          # how rounds were paired (align.RoundPairing)
 
     def counts(self) -> Counts:
         counts = Counts()
@@ -58,6 +59,7 @@ class CompareResult:
                            for r in self.rounds)
         return [("golden", self.golden), ("target", self.target),
                 ("rounds compared", rounds or "none"),
+                ("rounds paired", self.pairing),
                 ("tensors compared", str(len(self.rows))),
                 ("tensor mode", str(c.tensor)), ("statistics mode", str(c.statistics)),
                 ("no data", str(c.no_data)), ("crossing the thresholds", str(c.crossing)),
