@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from .. import layout
+from ..dtypes import DTYPES
+from ..layout import Side
 from ..statcsv import parse_shape
 from ..tokens import TokenLayout
 from . import StrEnum
@@ -505,24 +507,73 @@ def squeezed(shape: str) -> tuple[int, ...] | str:
 
 
 def _pair_tensors(g: Op, t: Op, method: MatchMethod) -> list[TensorPair]:
-    """The tensors of two ops of one name: by (side, index), else by (side, the index's
-    leading number)."""
-    g_by = {(x.io, x.index): x for x in g.tensors}
-    pairs, left_t = [], []
-    for x in t.tensors:
+    """The tensors of two ops of one name: by (side, index); what is left by (side, parameter
+    name) and then by (side, the index's leading number). Inputs known only by their number
+    whose counts differ (an attention mask passed only to a padded batch) are paired in call
+    order by kind and rank instead (`_pair_in_order`)."""
+    pairs: list[TensorPair] = []
+    g_tensors, t_tensors = g.tensors, t.tensors
+    g_in, t_in = g.inputs, t.inputs
+    if len(g_in) != len(t_in) and all(x.index.isdigit() for x in g_in + t_in):
+        pairs = _pair_in_order(g_in, t_in, method)
+        g_tensors = [x for x in g_tensors if x.io != Side.INPUT]
+        t_tensors = [x for x in t_tensors if x.io != Side.INPUT]
+    g_by = {(x.io, x.index): x for x in g_tensors}
+    left_t = []
+    for x in t_tensors:
         y = g_by.pop((x.io, x.index), None)
         if y is None:
             left_t.append(x)
         else:
             pairs.append(TensorPair(y, x, method))
-    if left_t and g_by:
-        # Same position, other parameter name (`intensor0_x` vs `intensor0_input`).
-        by_number = {(y.io, y.index.partition("_")[0]): key for key, y in g_by.items()}
+    for part in (_param_name, _leading_number):
+        if not (left_t and g_by):
+            break
+        # Another position, same parameter name (`intensor3_position_ids` vs
+        # `intensor4_position_ids`); then the same position, another parameter name
+        # (`intensor0_x` vs `intensor0_input`).
+        by_part = {(y.io, part(y.index)): key for key, y in g_by.items() if part(y.index)}
+        rest = []
         for x in left_t:
-            key = by_number.pop((x.io, x.index.partition("_")[0]), None)
-            if key is not None:
+            key = by_part.pop((x.io, part(x.index)), None) if part(x.index) else None
+            if key is None:
+                rest.append(x)
+            else:
                 pairs.append(TensorPair(g_by.pop(key), x, method))
+        left_t = rest
     return pairs
+
+
+def _param_name(index: str) -> str:
+    return index.partition("_")[2]
+
+
+def _leading_number(index: str) -> str:
+    return index.partition("_")[0]
+
+
+def _pair_in_order(golden: list[TensorRecord], target: list[TensorRecord],
+                   method: MatchMethod) -> list[TensorPair]:
+    """Two lists of tensors paired in order where their kinds (float, integer, bool) and ranks
+    agree, as many as can be (the longest common subsequence)."""
+    def keys(tensors: list[TensorRecord]) -> list[tuple]:
+        out = []
+        for x in tensors:
+            try:
+                rank = len(parse_shape(x.shape))
+            except ValueError:
+                rank = -1
+            out.append((_KINDS.get(x.dtype, x.dtype), rank))
+        return out
+    matcher = difflib.SequenceMatcher(None, keys(golden), keys(target), autojunk=False)
+    return [TensorPair(golden[block.a + k], target[block.b + k], method)
+            for block in matcher.get_matching_blocks() for k in range(block.size)]
+
+
+# A dtype's kind, by its csv name: `float` (every width, bf16 and fp8 included), `integer`,
+# or the name itself (bool, complex).
+_KINDS = {d.csv_name: "float" if "float" in d.torch_name else
+          "integer" if "int" in d.torch_name else d.csv_name for d in DTYPES}
 
 
 def _pair_by_shape(g: Op, t: Op, method: MatchMethod, opmap: OpMap) -> list[TensorPair]:
