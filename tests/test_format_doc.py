@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from atb_probe.config import DEFAULTS
-from atb_probe.statcsv import COLUMNS
+from atb_probe.statcsv import COLUMNS, REQUEST_COLUMNS
 
 from conftest import dump, generate, tiny_llama
 from harness import config
@@ -57,7 +57,12 @@ def written(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("format")
 
     def run():
-        generate(tiny_llama(), 4, 2)
+        model = tiny_llama()
+        generate(model, 4, 2)
+        with torch.no_grad():  # two rows, one padded: tokens.json and request_statistic.csv
+            model.generate(input_ids=torch.tensor([[0, 5, 6], [1, 2, 3]]),
+                           attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                           max_new_tokens=1, do_sample=False, pad_token_id=0)
         with torch.inference_mode():
             WritesAndAllocates()(torch.ones(3))
 
@@ -82,6 +87,20 @@ def test_every_statistic_csv_column_is_on_the_page(named, written):
     header = next(written.rglob("statistic.csv")).read_text().splitlines()[0].split(",")
     assert header == list(COLUMNS)
     assert set(header) - named == set()
+
+
+def test_every_request_statistic_csv_column_is_on_the_page(named, written):
+    header = next(written.rglob("request_statistic.csv")).read_text().splitlines()[0]
+    assert header.split(",") == list(REQUEST_COLUMNS)
+    assert set(REQUEST_COLUMNS) - named == set()
+
+
+def test_every_tokens_json_key_is_on_the_page(named, written):
+    docs = [json.loads(p.read_text()) for p in written.rglob("tokens.json")]
+    assert docs
+    keys = set().union(*(set(d) for d in docs))
+    request_keys = set().union(*(set(r) for d in docs for r in d["requests"]))
+    assert (keys | request_keys) - named == set()
 
 
 def test_every_op_param_key_is_on_the_page(named, written):

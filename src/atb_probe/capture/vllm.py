@@ -24,6 +24,13 @@ context's `skip_compiled` (the decorated model calls its plain `forward`) and
 `cudagraph_runtime_mode = NONE` (no CUDA-graph replay in that step). Other steps, and a sleeping
 probe, leave both alone. Where a runner has no such switch, the probe says so (`compile_problem`).
 
+A dumped step's token layout (tokens.json, SPEC §9) comes from what the V1 runner has on the
+host when it calls its model (`_model_forward`): its batch's request order
+(`input_batch.req_ids`), the tokens the scheduler gave each request, how many of each request's
+tokens were computed before (the position of its first one), its prompt ids, and the number of
+tokens the model is called with (padding included). Each request's prompt is hashed once and
+kept until the scheduler says the request finished.
+
 Patching replaces class attributes, so every runner of the process is seen. The runners are
 patched as soon as vLLM imports their modules (an import hook on `sys.meta_path`, as tracing
 tools use), before any step or warm-up runs: the probe starts when torch is imported, long
@@ -37,6 +44,8 @@ import sys
 import threading
 
 from ..rounds import Phase
+from ..tokens import (UNKNOWN_PROMPT, Arrangement, Prompt, RequestSpan, Source, TokenLayout,
+                      prompt_of)
 
 # (module, class) of the model runners whose steps are rounds. vllm-ascend's is on paper: its
 # code path is the same two methods, not run here.
@@ -62,6 +71,8 @@ class VllmSteps:
         self.engine = engine
         self.patched: list[tuple[type, str, object]] = []  # (class, attribute, original)
         self.pending: dict[int, object] = {}  # id(runner) -> its step awaiting sample_tokens
+        self.batches: dict[int, object] = {}  # id(runner) -> its dumped step's scheduler output
+        self.prompts: dict[str, Prompt] = {}  # request id -> its prompt, until it finishes
         self._hook: _ImportHook | None = None
 
     @property
@@ -112,6 +123,8 @@ class VllmSteps:
                 setattr(cls, name, original)
         self.patched.clear()
         self.pending.clear()
+        self.batches.clear()
+        self.prompts.clear()
 
     def _patch(self, cls: type, name: str, make) -> None:
         original = vars(cls)[name]
@@ -134,6 +147,9 @@ class VllmSteps:
             try:
                 steps._end_pending(runner)   # a step whose sampling never came
                 engine.steps.begin(step_phase(runner, scheduler_output))
+                steps._forget_finished(scheduler_output)
+                if engine.steps.dumped():
+                    steps.batches[id(runner)] = scheduler_output
             except Exception as exc:
                 engine.source.report(exc)
                 return original(runner, scheduler_output, *args, **kwargs)
@@ -145,6 +161,8 @@ class VllmSteps:
             except BaseException:
                 engine.steps.end()
                 raise
+            finally:
+                steps.batches.pop(id(runner), None)
             if out is None and getattr(runner, "execute_model_state", None) is not None:
                 steps.pending[id(runner)] = engine.steps.current()
             else:
@@ -164,17 +182,57 @@ class VllmSteps:
 
         return sample_tokens
 
+    def _forget_finished(self, scheduler_output) -> None:
+        """Let go of the prompts of the requests the scheduler says have finished."""
+        if not self.prompts:
+            return
+        for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
+            self.prompts.pop(req_id, None)
+        if len(self.prompts) > MAX_PROMPTS:  # finished ids that never reached this runner
+            self.prompts.clear()
+
+    def step_layout(self, runner, scheduler_output, args: tuple, kwargs: dict):
+        """The token layout of the step the runner is about to run its model for (V1 runner),
+        or None where its batch cannot be read."""
+        batch = getattr(runner, "input_batch", None)
+        requests = getattr(runner, "requests", None)
+        if batch is None or requests is None or scheduler_output is None:
+            return None
+        tokens = model_tokens(args, kwargs)
+        scheduled = scheduler_output.num_scheduled_tokens
+        computed = batch.num_computed_tokens_cpu
+        spans, start = [], 0
+        for i, req_id in enumerate(batch.req_ids[:batch.num_reqs]):
+            n = scheduled.get(req_id, 0)
+            if not n:
+                continue
+            prompt = self.prompts.get(req_id)
+            if prompt is None:
+                ids = getattr(requests.get(req_id), "prompt_token_ids", None)
+                prompt = UNKNOWN_PROMPT if ids is None else prompt_of(ids)
+                self.prompts[req_id] = prompt
+            spans.append(RequestSpan(str(req_id), 0, start, start + n, int(computed[i]), prompt))
+            start += n
+        if tokens is None or start > tokens:
+            return None
+        return TokenLayout(Source.VLLM, Arrangement.FLAT, tokens, 1, tuple(spans))
+
     def _end_pending(self, runner) -> None:
         step = self.pending.pop(id(runner), None)
         if step is not None:
             self.engine.steps.end(step)
 
     def _model_forward(self, original):
-        engine = self.engine
+        steps, engine = self, self.engine
 
         def _model_forward(runner, *args, **kwargs):
             if not engine.awake or not engine.steps.dumped():
                 return original(runner, *args, **kwargs)
+            try:
+                engine.steps.set_tokens(steps.step_layout(
+                    runner, steps.batches.get(id(runner)), args, kwargs))
+            except Exception as exc:
+                engine.source.report(exc)
             switch = _EagerSwitch()
             if not switch.on():
                 no_switch(engine, runner)
@@ -186,6 +244,22 @@ class VllmSteps:
                 switch.off()
 
         return _model_forward
+
+
+MAX_PROMPTS = 1 << 16  # prompts kept at most (see `_forget_finished`)
+
+
+def model_tokens(args: tuple, kwargs: dict) -> int | None:
+    """The number of tokens `_model_forward` calls the model with (padding included): the
+    length of its `input_ids`, `positions` or `inputs_embeds` (a shape: nothing is read from
+    the device)."""
+    for i, name in enumerate(("input_ids", "positions", "intermediate_tensors",
+                              "inputs_embeds")):
+        value = kwargs.get(name, args[i] if i < len(args) else None)
+        shape = getattr(value, "shape", None)
+        if name != "intermediate_tensors" and shape is not None and len(shape) >= 1:
+            return int(shape[-1] if name == "positions" else shape[0])
+    return None
 
 
 class _ImportHook(importlib.abc.MetaPathFinder):

@@ -1,0 +1,140 @@
+"""A round says which tokens it holds (SPEC §9): tokens.json of a `transformers` generation
+with a left-padded batch, its prompts recognised again when run one at a time, and
+request_statistic.csv's statistics over each request's tokens."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atb_probe.binread import load_numpy
+from atb_probe.statcsv import REQUEST_COLUMNS
+from atb_probe.tokens import prompt_of
+
+from conftest import only_proc, read_csv
+from harness import config, run_loaded
+
+SHORT, LONG = [5, 6, 7], [1, 2, 3, 4, 5]
+PAD = 0
+
+SCRIPT = f"""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+model = LlamaForCausalLM(cfg).eval()
+short, long = {SHORT}, {LONG}
+pad = [{PAD}] * (len(long) - len(short))
+with torch.no_grad():
+    # rounds 0 and 1: both prompts in one batch, the short one padded on the left
+    model.generate(input_ids=torch.tensor([pad + short, long]),
+                   attention_mask=torch.tensor([[0] * len(pad) + [1] * len(short),
+                                                [1] * len(long)]),
+                   max_new_tokens=2, do_sample=False, pad_token_id={PAD})
+    # rounds 2 and 3, 4 and 5: one at a time
+    for prompt in (short, long):
+        model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=2, do_sample=False,
+                       pad_token_id={PAD})
+print("OK")
+"""
+
+
+@pytest.fixture(scope="module")
+def rounds(tmp_path_factory) -> dict[int, Path]:
+    tmp = tmp_path_factory.mktemp("tokens")
+    result = run_loaded(tmp, SCRIPT, config(task="all"))
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    proc = only_proc(tmp / "atb_dump_data")
+    found = {int(p.name): p for p in proc.iterdir()}
+    assert sorted(found) == list(range(6))
+    return found
+
+
+def tokens_of(folder: Path) -> dict:
+    return json.loads((folder / "tokens.json").read_text())
+
+
+def spans(doc: dict) -> list[tuple]:
+    return [(r["request"], r["row"], r["start"], r["stop"], r["position"], r["prompt_len"],
+             r["prompt_head"]) for r in doc["requests"]]
+
+
+def test_the_prefill_of_a_padded_batch_gives_each_row_its_real_tokens(rounds):
+    doc = tokens_of(rounds[0])
+    assert (doc["source"], doc["layout"], doc["tokens"], doc["rows"]) == \
+        ("transformers", "batch", 5, 2)
+    assert spans(doc) == [("row0", 0, 2, 5, 0, 3, SHORT), ("row1", 1, 0, 5, 0, 5, LONG)]
+    assert [r["prompt_hash"] for r in doc["requests"]] == \
+        [prompt_of(SHORT).digest, prompt_of(LONG).digest]
+
+
+def test_a_decode_round_carries_its_rows_prompts_and_positions_after_them(rounds):
+    doc = tokens_of(rounds[1])
+    assert (doc["tokens"], doc["rows"]) == (1, 2)
+    assert spans(doc) == [("row0", 0, 0, 1, 3, 3, SHORT), ("row1", 1, 0, 1, 5, 5, LONG)]
+    assert [r["prompt_hash"] for r in doc["requests"]] == \
+        [r["prompt_hash"] for r in tokens_of(rounds[0])["requests"]]
+
+
+def test_the_same_prompts_run_alone_have_the_same_hashes(rounds):
+    batched = [r["prompt_hash"] for r in tokens_of(rounds[0])["requests"]]
+    alone = []
+    for index, prompt in ((2, SHORT), (4, LONG)):
+        prefill, decode = tokens_of(rounds[index]), tokens_of(rounds[index + 1])
+        assert spans(prefill) == [("row0", 0, 0, len(prompt), 0, len(prompt), prompt)]
+        assert spans(decode) == [("row0", 0, 0, 1, len(prompt), len(prompt), prompt)]
+        alone.append(prefill["requests"][0]["prompt_hash"])
+    assert alone == batched
+
+
+def test_rounds_of_one_request_without_padding_have_no_request_statistics(rounds):
+    assert all(not (rounds[i] / "request_statistic.csv").exists() for i in (2, 3, 4, 5))
+    assert all((rounds[i] / "request_statistic.csv").exists() for i in (0, 1))
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_request_statistics_of_a_layer_output_are_those_of_its_slice(rounds, index):
+    folder = rounds[index]
+    rows = read_csv(folder / "request_statistic.csv")
+    assert list(rows[0]) == list(REQUEST_COLUMNS)
+    layer = [r for r in rows if r["Op Name"] == "LlamaDecoderLayer" and r["Op Id"] == "2"
+             and r["Input/Output"] == "output" and r["Index"] == "0"]
+    assert [r["Request"] for r in layer] == ["row0", "row1"]
+    tensor = load_numpy(folder / "2_LlamaDecoderLayer" / "after" / "outtensor0.bin")
+    for row, span in zip(layer, tokens_of(folder)["requests"]):
+        piece = tensor[span["row"]:span["row"] + 1, span["start"]:span["stop"]]
+        assert row["Shape"] == "x".join(map(str, piece.shape))
+        assert row["Tensor Path"] == "N/A"
+        flat = piece.astype(np.float32).reshape(-1)
+        assert float(row["Max"]) == float(flat.max()) and float(row["Min"]) == float(flat.min())
+        assert math.isclose(float(row["Mean"]), float(flat.sum()) / flat.size, rel_tol=1e-5,
+                            abs_tol=1e-7)
+        assert math.isclose(float(row["Norm"]), math.sqrt(float(np.dot(flat, flat))),
+                            rel_tol=1e-5)
+    # the whole tensor's row in statistic.csv is another thing: both requests' tokens, and the
+    # padding
+    whole = [r for r in read_csv(folder / "statistic.csv") if r["Op Id"] == "2" and
+             r["Input/Output"] == "output" and r["Index"] == "0"]
+    assert whole[0]["Shape"] == "x".join(map(str, tensor.shape))
+    assert {r["Norm"] for r in layer}.isdisjoint({whole[0]["Norm"]})
+
+
+def test_every_request_row_names_a_tensor_of_statistic_csv_with_the_token_dimension(rounds):
+    for index in (0, 1):
+        folder = rounds[index]
+        doc = tokens_of(folder)
+        whole = {(r["Op Id"], r["Input/Output"], r["Index"]): r["Shape"]
+                 for r in read_csv(folder / "statistic.csv")}
+        per = read_csv(folder / "request_statistic.csv")
+        keyed = {}
+        for r in per:
+            keyed.setdefault((r["Op Id"], r["Input/Output"], r["Index"]), []).append(r["Request"])
+        with_dim = {k for k, shape in whole.items()
+                    if shape and [int(d) for d in shape.split("x")][:2] ==
+                    [doc["rows"], doc["tokens"]]}
+        assert set(keyed) == with_dim
+        assert all(v == ["row0", "row1"] for v in keyed.values())
