@@ -7,7 +7,7 @@ import pytest
 from atb_probe.layout import Side
 from atb_probe.statcsv import Stats
 from atb_probe.tools.comparison import MatchMethod, PairMode, PairResult, TensorRef, Thresholds
-from atb_probe.tools.divergence import OpRows, crosses, first_divergence
+from atb_probe.tools.divergence import InputState, OpRows, crosses, judge
 from atb_probe.tools.metrics import StatsDiff, TensorMetrics, compare_arrays, stats_metrics
 
 
@@ -108,11 +108,29 @@ def test_first_divergence_skips_ops_whose_inputs_already_differ():
     ops = [op("0_A", False, False, 0),
            op("1_B", True, True, 2),        # bad input: not the origin
            op("2_C", False, True, 4)]
-    f = first_divergence(ops, Thresholds())
+    f = judge(ops).finding
     assert f.op_path == "2_C" and f.inputs_clean
-    f = first_divergence(ops[:2], Thresholds())
-    assert f.op_path == "1_B" and not f.inputs_clean
-    assert first_divergence(ops[:1], Thresholds()) is None
+    f = judge(ops[:2]).finding
+    assert f.op_path == "1_B" and f.inputs == InputState.CROSSING
+    assert judge(ops[:1]).finding is None
+
+
+def test_before_the_first_dumped_op_is_said_only_of_the_first_op_of_a_round():
+    def op(path, order, input_diverged=True):
+        return OpRows(0, path, path, [row(diverged=input_diverged, order=order, io=Side.INPUT)],
+                      [row(diverged=True, order=order + 1, io=Side.OUTPUT)])
+    first = judge([op("0_A", 0)]).finding
+    assert "before the first dumped op" in first.summary()
+    quiet = OpRows(0, "0_Q", "0_Q", [], [row(diverged=False, order=0, io=Side.OUTPUT)])
+    later = judge([quiet, op("1_A", 2)]).finding
+    assert later.inputs == InputState.CROSSING and not later.first_op
+    assert "before the first dumped op" not in later.summary()
+    assert "no compared op before it crosses" in later.summary()
+    unknown = judge([quiet, op("1_A", 2, input_diverged=None), op("2_B", 4, False)]).finding
+    assert unknown.op_path == "1_A" and unknown.inputs == InputState.UNKNOWN
+    assert unknown.then_clean.op_path == "2_B"
+    assert "the first later crossing op whose inputs all match is round 0, 2_B" \
+        in unknown.summary()
 
 
 def test_chunked_metrics_equal_the_whole_array_definitions():

@@ -42,7 +42,7 @@ from .arrays import ReadBuffer, load_values
 from .comparison import (CompareError, CompareMode, CutDims, MatchMethod, PairMode, PairResult,
                          Positions, RefPair, Role, RoundNumbers, TensorRef, Thresholds,
                          TokenSlice, Unmatched, UnmatchedKind)
-from .divergence import Finding, OpRows, crosses, first_divergence
+from .divergence import Finding, OpRows, crosses, judge
 from .dumpreader import DumpError, DumpLevel, NoData, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
 from .metrics import array_stats, compare_arrays, stats_metrics
@@ -72,7 +72,8 @@ class _OpSpan:
         own = [rows[i] for i in self.indices]
         return OpRows(self.round_index, self.op_path, self.golden_op_path,
                       [r for r in own if r.io == Side.INPUT],
-                      [r for r in own if r.io == Side.OUTPUT], self.request, self.positions)
+                      [r for r in own if r.io == Side.OUTPUT], request=self.request,
+                      positions=self.positions)
 
 
 @dataclass(slots=True)
@@ -108,10 +109,15 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
     work: list[RefPair] = []
     slicing: list[_Slicing] = []
     spans: list[_OpSpan] = []
+    alone: list[OpRows] = []     # ops of the target with no counterpart: not judged
     round_ends = []
     whole: dict[tuple[int, int], dict[int, int]] = {}   # round pair -> tensor pair -> work
+    targets = set()
     for rp in alignment.rounds:
         round_ends.append(len(work))
+        if id(rp.target) not in targets:   # a round paired with slices of several: once
+            targets.add(id(rp.target))
+            alone += _target_only(rp)
         once = whole.setdefault((id(rp.golden), id(rp.target)), {})
         request, positions = (rp.tokens.label, rp.tokens.positions) if rp.tokens else ("", None)
         for op in rp.ops:
@@ -141,8 +147,9 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
         if sliced.note and row.mode == PairMode.NO_DATA:
             row.note = "; ".join(filter(None, (sliced.note, row.note)))
         row.diverged = crosses(row, thresholds)
-    ops = sorted((span.rows(rows) for span in spans), key=lambda op: op.finished)
-    finding = first_divergence(ops, thresholds)
+    ops = sorted([span.rows(rows) for span in spans] + alone, key=lambda op: op.finished)
+    verdict = judge(ops)
+    finding = verdict.finding
     round_ends.append(len(rows))
     rows = [r for start, end in zip(round_ends, round_ends[1:])
             for r in sorted(rows[start:end], key=lambda r: r.order)]
@@ -152,7 +159,7 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
                             for rp in alignment.rounds)
     return CompareResult(g_dump.path, t_dump.path, mode, thresholds, rows, alignment.unmatched,
                          finding, list(numbers), alignment.name_matched, scan_compared(rows),
-                         max(1, jobs), alignment.pairing.text())
+                         max(1, jobs), verdict.unjudged, alignment.pairing.text())
 
 
 def _ref_pair(pair: TensorPair, rp: RoundPair) -> tuple[RefPair, bool, str]:
@@ -210,6 +217,14 @@ def _cut(ref: TensorRef, record, side: SideSlice) -> tuple[bool, str]:
         return False, ""
     ref.shape = shape_cell(ref.cut.shape(dims))
     return True, "" if ref.stats is not None else why
+
+
+def _target_only(rp: RoundPair) -> list[OpRows]:
+    """The ops of a round pair's target that no golden op was paired with, where they ran."""
+    paired = {op.target.op_path for op in rp.ops}
+    return [OpRows(rp.target.index, op.op_path, "", [], [],
+                   done=min(t.order for t in (op.outputs or op.tensors)))
+            for op in rp.target.ops if op.op_path not in paired]
 
 
 def run_pairs(work: list[RefPair], mode: CompareMode, jobs: int = 1, progress=None,
@@ -351,14 +366,17 @@ def _load(ref: TensorRef, buffer: ReadBuffer):
 
 def write_outputs(result: CompareResult, out: str, xlsx: bool = True,
                   html: bool = True) -> list[str]:
-    """Write the CSV, the .xlsx and the HTML report into `out`; their paths."""
+    """Write the CSV, the JSON summary, the .xlsx and the HTML report into `out`; their
+    paths."""
     from .report import REPORT_HTML, render_html
     from .resulttable import RESULT_CSV, RESULT_XLSX, XLSX_MAX_ROWS, write_csv, write_xlsx
+    from .summary import SUMMARY_JSON, write_summary
     if os.path.exists(out) and not os.path.isdir(out):
         raise CompareError(f"--output {out} is not a folder")
     os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, RESULT_CSV)]
+    paths = [os.path.join(out, RESULT_CSV), os.path.join(out, SUMMARY_JSON)]
     write_csv(result, paths[0])
+    write_summary(result, paths[1])
     if xlsx and len(result.rows) >= XLSX_MAX_ROWS:
         print(f"atb-probe compare: {len(result.rows)} rows do not fit in an .xlsx sheet; "
               f"skipped it (the CSV has them all)", file=sys.stderr)
@@ -378,10 +396,14 @@ def register(sub) -> None:
     p = sub.add_parser(
         "compare", help="compare two dumps and find the first diverging operator",
         description="Compare the tensors of TARGET with those of GOLDEN (dump roots, "
-                    "<dev>_<pid> folders or round folders), write a CSV, an .xlsx and an HTML "
-                    "report, and name the first operator whose output diverges while its "
-                    "inputs do not.",
-        epilog="example: atb-probe compare fp32 bf16 -o cmp --min-ratio 0")
+                    "<dev>_<pid> folders or round folders), write a CSV, a JSON summary, an "
+                    ".xlsx and an HTML report, and name the first operator whose output "
+                    "diverges while its inputs do not.",
+        epilog="exit status: 0 when the comparison ran, whatever it found (with "
+               "--fail-on-divergence: 1 when it found a divergence); 1 when no tensor could "
+               "be paired; 2 for a usage error (a bad argument, a path that is not a dump, a "
+               "bad map file) or results that could not be written. "
+               "example: atb-probe compare fp32 bf16 -o cmp --min-ratio 0")
     p.add_argument("golden", help="the reference dump")
     p.add_argument("target", help="the dump to check")
     p.add_argument("-o", "--output", default="compare_output",
@@ -404,6 +426,9 @@ def register(sub) -> None:
     p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                    help="worker processes comparing tensors at once (default: the cores "
                         f"available, here {default_jobs()})")
+    p.add_argument("--fail-on-divergence", action="store_true",
+                   help="exit with status 1 when a divergence is found (for CI); the results "
+                        "are written all the same")
     p.add_argument("--no-xlsx", action="store_true", help="skip the .xlsx file")
     p.add_argument("--no-html", action="store_true", help="skip the HTML report")
     p.set_defaults(func=_compare)
@@ -451,15 +476,15 @@ def _compare(args) -> int:
     _print_unmatched(out, result.unmatched, sheet)
     if result.finding:
         style = "bold red" if result.finding.inputs_clean else "bold yellow"
-        out.print(result.finding.summary(), style=style)
     else:
-        out.print(f"no divergence: no output crosses {thresholds.describe()}", style="green")
+        style = "yellow" if result.unjudged else "green"
+    out.print(result.verdict_text(), style=style)
     for scanned in result.scan:
         if scanned.first is not None:
             out.print(f"{scanned.side}: {scanned.first.summary(scanned)}", style="bold red")
     for path in paths:
         out.print(f"wrote {path}")
-    return 0
+    return 1 if args.fail_on_divergence and result.finding is not None else 0
 
 
 def _print_unmatched(out, unmatched: list[Unmatched], sheet: str | None,

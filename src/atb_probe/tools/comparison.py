@@ -242,6 +242,23 @@ class UnmatchedKind(StrEnum):
     REQUEST = "request"          # rounds paired by tokens: a request the other run never ran
     TOKENS = "tokens"            # ... positions of a request the other run never ran
 
+    @property
+    def reason(self) -> str:
+        """Why an entry of this kind is left over, in words."""
+        return _UNMATCHED_REASONS.get(self, "")
+
+
+_UNMATCHED_REASONS = {
+    UnmatchedKind.PROCESS: "the other dump has no process left on its device",
+    UnmatchedKind.ROUND: "the other dump has no round of this number in the paired process",
+    UnmatchedKind.OP: "no op of the other dump pairs with it (by ID, name, map, or order and "
+                      "output shapes)",
+    UnmatchedKind.TENSOR: "its op is paired, but no tensor of the other op pairs with it",
+    UnmatchedKind.REQUEST: "the other run never ran a request of this prompt",
+    UnmatchedKind.TOKENS: "the other run never ran these positions of the request, or the "
+                          "request's prompt is not known",
+}
+
 
 @dataclass(slots=True)
 class Unmatched:

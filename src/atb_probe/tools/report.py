@@ -11,10 +11,11 @@ from __future__ import annotations
 import datetime
 import html
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..layout import Side
-from .comparison import PairMode, PairResult, Role
+from .comparison import MatchMethod, PairMode, PairResult, Role
+from .divergence import InputState, is_unknown, why_unknown
 from .result import CompareResult
 from .resulttable import FIELDS
 
@@ -64,8 +65,8 @@ def render_html(result: CompareResult) -> str:
     parts.append(_summary(result))
     parts.append(_scan(result))
     parts.append(_plots(result))
+    parts.append(_alignment(result))
     parts.append(_layers(result))
-    parts.append(_unmatched(result))
     parts.append(_table(result))
     parts.append(_SCRIPT)
     parts.append("</body></html>\n")
@@ -87,17 +88,28 @@ def _fmt(value) -> str:
 def _finding_box(result) -> str:
     f = result.finding
     if f is None:
-        return (f"<div class='ok'><b>No divergence.</b> No output crosses "
-                f"{_escape(result.thresholds.describe())}.</div>")
+        if not result.unjudged:
+            return (f"<div class='ok'><b>No divergence.</b> No output crosses "
+                    f"{_escape(result.thresholds.describe())}.</div>")
+        return (f"<div class='warn'><div class='big'>No divergence among the compared "
+                f"outputs</div><div>{_escape(result.verdict_text())}</div></div>")
     cls = "bad" if f.inputs_clean else "warn"
-    head = "First divergence" if f.inputs_clean else "First crossing op (its inputs differ too)"
+    head = {InputState.CLEAN: "First divergence",
+            InputState.UNKNOWN: "First crossing op (an input could not be compared)",
+            InputState.CROSSING: "First crossing op (its inputs differ too)"}[f.inputs]
     where = f"<code>{_escape(f.op_path)}</code>"
     if f.golden_op_path != f.op_path:
         where += f" ↔ <code>{_escape(f.golden_op_path)}</code>"
     return (f"<div class='{cls}'><div class='big'>{head}: round {f.round_index}, "
-            f"{where}</div><div>{_escape(f.summary())}</div>"
+            f"{where}</div><div>{_escape(_own(f.row))}: {_escape(f.metric())}</div>"
+            f"<div class='{'' if f.inputs_clean else 'caveat'}'>{_escape(f.caveat())}</div>"
             f"<div>golden op: <code>{_escape(f.golden_op_path)}</code> · thresholds: "
             f"{_escape(result.thresholds.describe())}</div></div>")
+
+
+def _own(row: PairResult) -> str:
+    """`output.0` of `3_LlamaDecoderLayer/output.0`."""
+    return row.name.rsplit("/", 1)[-1]
 
 
 def _summary(result: CompareResult) -> str:
@@ -125,7 +137,8 @@ def _plots(result) -> str:
            "<p>Relative error of each output (log scale): ‖target − golden‖ / ‖golden‖, or the "
            "relative norm error in statistics mode. Bands are layer-level ops; red points cross "
            "the thresholds; the ring marks the first divergence; equal tensors lie on the bottom "
-           "line. Hover a point for its name.</p>"]
+           "line; a ? at the top marks an output without metrics (not judged). Hover a point "
+           "for its name.</p>"]
     for key in chosen:
         out.append(f"<h3>round {_escape(key)}</h3>")
         out.append(_svg(rounds[key], f if f is not None and f.round_index == key else None,
@@ -181,6 +194,10 @@ def _svg(rows: list[PairResult], finding, flagged: dict[tuple[str, str, int], st
     for i, row in enumerate(rows):
         err = relative_error(row)
         if err is None:
+            if is_unknown(row):
+                tip = f"{row.name}\nno metrics: {why_unknown(row)}"
+                svg.append(f"<text x='{x(i):.1f}' y='{top + 14}' class='unk' "
+                           f"text-anchor='middle'>?<title>{_escape(tip)}</title></text>")
             continue
         bad = row.diverged is True
         tip = (f"{row.name}\nrelative error {_fmt(err)}\ncosine "
@@ -202,12 +219,14 @@ class _LayerOutputs:
 
     outputs: int = 0
     crossing: int = 0
+    unknown: int = 0                 # outputs without metrics
     min_cosine: float | None = None
     max_error: float | None = None   # relative_error
 
     def add(self, row: PairResult) -> None:
         self.outputs += 1
         self.crossing += row.diverged is True
+        self.unknown += is_unknown(row)
         cos = row.metrics.cosine
         if cos is not None:
             self.min_cosine = cos if self.min_cosine is None else min(self.min_cosine, cos)
@@ -226,10 +245,11 @@ def _layers(result) -> str:
     body = "".join(
         f"<tr class='{'bad' if e.crossing else ''}'><td>{_escape(r)}</td>"
         f"<td>{_escape(layer)}</td><td>{e.outputs}</td><td>{e.crossing}</td>"
+        f"<td>{e.unknown}</td>"
         f"<td>{_fmt(e.min_cosine)}</td><td>{_fmt(e.max_error)}</td></tr>"
         for (r, layer), e in layers.items())
     return ("<h2>Per layer</h2><table class='grid'><tr><th>round</th><th>layer</th>"
-            "<th>outputs</th><th>crossing</th><th>min cosine</th><th>max relative error</th>"
+            "<th>outputs</th><th>crossing</th><th>without metrics</th><th>min cosine</th><th>max relative error</th>"
             f"</tr>{body}</table>")
 
 
@@ -272,17 +292,72 @@ def _scan(result: CompareResult) -> str:
             "with a square in the plots (target side).</p><ul>" + "".join(items) + "</ul></div>")
 
 
-def _unmatched(result) -> str:
+@dataclass(slots=True)
+class _RoundPairing:
+    """What was compared in one pair of rounds, and how its ops were paired."""
+
+    tensors: int = 0
+    crossing: int = 0
+    unknown: int = 0                     # rows without metrics
+    ops: dict[MatchMethod, set[str]] = field(default_factory=dict)   # op paths by Match
+
+    def add(self, row: PairResult) -> None:
+        self.tensors += 1
+        self.crossing += row.diverged is True
+        self.unknown += is_unknown(row)
+        self.ops.setdefault(row.match, set()).add(row.op_path)
+
+
+def _alignment(result: CompareResult) -> str:
+    """Which rounds of each side were paired, how their ops were paired, the ops that could
+    not be judged and what could not be paired at all."""
+    pairings: dict[tuple, _RoundPairing] = {}
+    for row in result.rows:
+        key = (row.golden.process, row.golden.round_index, row.target.process,
+               row.target.round_index)
+        pairings.setdefault(key, _RoundPairing()).add(row)
+    body = "".join(
+        f"<tr><td>{_escape(gp)} / {gr}</td><td>{_escape(tp)} / {tr}</td><td>{p.tensors}</td>"
+        + "".join(f"<td>{len(p.ops.get(m, ()))}</td>" for m in MatchMethod)
+        + f"<td>{p.unknown}</td><td>{p.crossing}</td></tr>"
+        for (gp, gr, tp, tr), p in pairings.items())
+    head = "".join(f"<th>ops by {_escape(m)}</th>" for m in MatchMethod)
+    parts = ["<h2>Alignment</h2><p>Rounds are paired by process (device) and round number; "
+             "ops by ID, else by name, by the op map, or by execution order and output shapes "
+             "(the Match column of the table).</p>"
+             "<table class='grid'><tr><th>golden process / round</th>"
+             f"<th>target process / round</th><th>tensor pairs</th>{head}"
+             f"<th>without metrics</th><th>crossing</th></tr>{body}</table>"]
+    parts.append(_unjudged(result))
+    parts.append(_unmatched(result))
+    return "\n".join(parts)
+
+
+def _unjudged(result: CompareResult) -> str:
+    if not result.unjudged:
+        return "<h3>Ops that could not be judged</h3><p>None: every op has metrics.</p>"
+    body = "".join(f"<tr><td>{u.round_index}</td><td><code>{_escape(u.op_path)}</code></td>"
+                   f"<td><code>{_escape(u.golden_op_path or '—')}</code></td>"
+                   f"<td>{_escape(u.why)}</td></tr>"
+                   for u in result.unjudged[:MAX_TABLE_ROWS])
+    return ("<h3>Ops that could not be judged</h3><p class='caveat'>Their outputs have no "
+            "metrics, so whether they went wrong is not known: neither diverged nor clean. An "
+            "error found after one of them may start there.</p><table class='grid'><tr>"
+            "<th>round</th><th>target op</th><th>golden op</th><th>why</th></tr>"
+            f"{body}</table>")
+
+
+def _unmatched(result: CompareResult) -> str:
     if not result.unmatched:
-        return "<h2>Unmatched</h2><p>Everything was matched.</p>"
+        return "<h3>Unmatched</h3><p>Everything was matched.</p>"
     body = "".join(f"<tr><td>{_escape(u.side)}</td><td>{_escape(u.kind)}</td>"
                    f"<td>{_escape(u.where)}</td><td><code>{_escape(u.what)}</code></td>"
-                   f"<td>{u.count}</td></tr>"
+                   f"<td>{u.count}</td><td>{_escape(u.kind.reason)}</td></tr>"
                    for u in result.unmatched[:MAX_TABLE_ROWS])
-    return ("<h2>Unmatched</h2><p>Present in one dump only (the two runs executed different ops "
+    return ("<h3>Unmatched</h3><p>Present in one dump only (the two runs executed different ops "
             "there, or were dumped with different filters).</p><table class='grid'><tr>"
-            "<th>only in</th><th>kind</th><th>where</th><th>what</th><th>count</th></tr>"
-            f"{body}</table>")
+            "<th>only in</th><th>kind</th><th>where</th><th>what</th><th>count</th><th>why</th>"
+            f"</tr>{body}</table>")
 
 
 def _table(result) -> str:
@@ -315,6 +390,8 @@ div.bad, div.warn, div.ok {{ padding: 10px 14px; border-radius: 6px; margin: 10p
 div.bad {{ background: #fde8e8; border: 1px solid #e0a0a0; }}
 div.warn {{ background: #fff6dd; border: 1px solid #e0c070; }}
 div.ok {{ background: #e6f6e6; border: 1px solid #9c9; }}
+.caveat {{ color: #8a5a00; font-weight: 600; }}
+.unk {{ fill: #8a5a00; font-size: 13px; font-weight: 700; }}
 table.grid {{ border-collapse: collapse; }}
 table.grid td, table.grid th {{ border: 1px solid #ddd; padding: 2px 6px; white-space: nowrap; }}
 table.grid tr.bad td {{ background: #fde8e8; }}

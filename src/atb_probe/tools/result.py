@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .comparison import CompareMode, PairMode, PairResult, RoundNumbers, Thresholds, Unmatched
-from .divergence import Finding
+from .divergence import Finding, Unjudged
 from .scan import RoundScan
 
 
@@ -38,6 +38,7 @@ class CompareResult:
     name_matched_ops: int = 0                  # op pairs made by name, map or order, not by ID
     scan: list[RoundScan] = field(default_factory=list)   # of each side's compared rounds
     jobs: int = 1
+    unjudged: list[Unjudged] = field(default_factory=list)   # ops whose outputs have no metrics
     pairing: str = "by round number"          # how rounds were paired (align.RoundPairing)
 
     def counts(self) -> Counts:
@@ -67,4 +68,18 @@ class CompareResult:
                  str(self.name_matched_ops)),
                 ("unmatched entries", str(len(self.unmatched))),
                 ("thresholds", self.thresholds.describe()),
-                ("first divergence", self.finding.summary() if self.finding else "none")]
+                ("ops that could not be judged", str(len(self.unjudged))),
+                ("first divergence", self.verdict_text())]
+
+    def verdict_text(self) -> str:
+        """The verdict in one paragraph: the finding, or why there is none and what that
+        leaves unsaid."""
+        if self.finding is not None:
+            return self.finding.summary()
+        text = f"no divergence: no compared output crosses {self.thresholds.describe()}"
+        if self.unjudged:
+            n = len(self.unjudged)
+            text += (f"; but {n} op{'s' if n > 1 else ''} could not be judged (outputs without "
+                     f"metrics), the first: {self.unjudged[0].where()} "
+                     f"({self.unjudged[0].why})")
+        return text
