@@ -206,13 +206,17 @@ def _cut(ref: TensorRef, record, side: SideSlice) -> tuple[bool, str]:
         ref.cut = TokenSlice(CutDims.FLAT, 0, offset + side.start, offset + side.stop)
         ref.stats = None
         why = "no statistics of a flattened batch's request tokens"
-    elif layout.arrangement == Arrangement.BATCH and layout.rows > 1 and dims \
-            and dims[0] == layout.rows and side.whole_span:
-        # A batch row's tensor that is not per token (logits of the last token): the row is
-        # the request's, over the same tokens as the other side's when both spans are whole.
-        ref.cut = TokenSlice(CutDims.ROW, span.row)
+    elif dims and side.whole_span and len(layout.requests) > 1 and (
+            dims[0] == layout.rows if layout.arrangement == Arrangement.BATCH
+            else dims[0] == len(layout.requests)):
+        # A request's tensor that is not per token (the logits of its last token): a batch
+        # row, or in a flat layout the request's place among the round's requests (vLLM's
+        # logits); over the same tokens as the other side's when both spans are whole.
+        row = span.row if layout.arrangement == Arrangement.BATCH \
+            else layout.requests.index(span)
+        ref.cut = TokenSlice(CutDims.ROW, row)
         ref.stats = None
-        why = f"no statistics of batch row {span.row} alone"
+        why = f"no statistics of request {span.request!r}'s row alone"
     else:
         return False, ""
     ref.shape = shape_cell(ref.cut.shape(dims))

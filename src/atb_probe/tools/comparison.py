@@ -73,7 +73,7 @@ class CutDims(StrEnum):
 
     FLAT = "flat"                # dim 0 is the tokens: `[num_tokens, hidden]`
     BATCH = "batch"              # dim 0 the batch row, dim 1 its tokens: `[batch, seq, hidden]`
-    ROW = "row"                  # dim 0 the batch row only: a row's tensor that is not per token
+    ROW = "row"                  # dim 0 the request's row only: a tensor not per token
 
 
 @dataclass(frozen=True, slots=True)
