@@ -257,8 +257,8 @@ def _layouts(golden: list[Round], target: list[Round]
             missing.append(f"{role} round {lacking[0].where} has no token layout")
         sides.append(found)
     if missing:
-        # One side without any layout is the usual case of dumps made before token layouts, or
-        # of a model that is no token model: nothing to say. A side with some says why not.
+        # No layout on either side (dumps made before token layouts, a model that is no token
+        # model) is nothing to remark on; layouts on one side only, or on some rounds, are.
         has_some = any(t is not None for side in sides for _, t in side)
         return None, "; ".join(missing) if has_some else ""
     return (sides[0], sides[1]), ""
