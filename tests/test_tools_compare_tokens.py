@@ -13,9 +13,10 @@ from atb_probe.statcsv import HEADER, parse_shape
 from atb_probe.tokens import (UNKNOWN_PROMPT, Arrangement, RequestSpan, Source, TokenLayout,
                               prompt_of)
 from atb_probe.tools.align import RoundMethod, pair_rounds
-from atb_probe.tools.compare import compare_dumps
+from atb_probe.tools.compare import compare_dumps, write_outputs
 from atb_probe.tools.comparison import PairMode, Positions, Role, UnmatchedKind
 from atb_probe.tools.dumpreader import open_dump
+from atb_probe.tools.report import REPORT_HTML
 from atb_probe.tools.tokenpairs import pair_by_tokens
 from atb_probe.tools.tokens import LayoutError, layout_of, read_layout
 
@@ -270,6 +271,12 @@ def test_the_same_weights_batched_and_alone_do_not_diverge_and_every_layer_is_co
     prefill_b = next(r for r in outputs if r.positions == Positions(0, 7))
     assert prefill_b.round_cell(Role.TARGET) == "0[req 1, pos 0-6]"
     assert prefill_b.round_cell(Role.GOLDEN) == "3"
+    # The report plots each round slice on its own.
+    out = tmp_path_factory.mktemp("out")
+    write_outputs(result, str(out), xlsx=False)
+    page = (out / REPORT_HTML).read_text()
+    assert "<h3>round 3 ~ 0[req 1, pos 0-6]</h3>" in page
+    assert "<h3>round 0 ~ 0[req 0, pos 0-4]</h3>" in page
     # The weights inside the layers are compared whole, once per pair of rounds.
     weights = [r for r in result.rows if r.name.endswith("/0_TKernel/input.0")]
     assert weights and all(not r.request and r.target.cut is None for r in weights)
