@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from atb_probe.binread import load_numpy
 from atb_probe.statcsv import REQUEST_COLUMNS
 from atb_probe.tokens import prompt_of
 
-from conftest import only_proc, read_csv
+from conftest import dump, only_proc, read_csv, tiny_llama
 from harness import config, run_loaded
 
 SHORT, LONG = [5, 6, 7], [1, 2, 3, 4, 5]
@@ -138,3 +139,75 @@ def test_every_request_row_names_a_tensor_of_statistic_csv_with_the_token_dimens
                     [doc["rows"], doc["tokens"]]}
         assert set(keyed) == with_dim
         assert all(v == ["row0", "row1"] for v in keyed.values())
+
+
+def test_right_padding_puts_each_rows_span_first(tmp_path):
+    model = tiny_llama()
+
+    def run():
+        with torch.no_grad():
+            model(input_ids=torch.tensor([SHORT + [PAD, PAD], LONG]),
+                  attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1] * 5]))
+
+    doc = tokens_of(only_proc(dump(tmp_path, config(task="statistics"), run)) / "0")
+    assert spans(doc) == [("row0", 0, 0, 3, 0, 3, SHORT), ("row1", 1, 0, 5, 0, 5, LONG)]
+
+
+def test_with_save_child_every_tensor_with_the_token_dimension_has_request_rows(tmp_path):
+    model = tiny_llama()
+
+    def run():
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[PAD, PAD] + SHORT, LONG]),
+                  attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1] * 5]))
+
+    folder = only_proc(dump(tmp_path, config(task="statistics", save_child=True), run)) / "0"
+    per = read_csv(folder / "request_statistic.csv")
+    assert any(r["Op Type"].endswith("Kernel") for r in per)
+    whole = read_csv(folder / "statistic.csv")
+    with_dim = [r for r in whole if r["Shape"].split("x")[:2] == ["2", "5"]]
+    assert len(per) == 2 * len(with_dim)
+    assert [(r["Op Id"], r["Input/Output"], r["Index"]) for r in per[::2]] == \
+        [(r["Op Id"], r["Input/Output"], r["Index"]) for r in with_dim]
+    assert {r["Shape"].split("x")[1] for r in per if r["Request"] == "row0"} == {"3"}
+
+
+def test_a_decode_round_knows_its_prompts_when_the_prefill_was_not_dumped(tmp_path):
+    model = tiny_llama()
+
+    def run():
+        with torch.no_grad():
+            model.generate(input_ids=torch.tensor([[PAD, PAD] + SHORT, LONG]),
+                           attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1] * 5]),
+                           max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+
+    proc = only_proc(dump(tmp_path, config(task="statistics", exec_range="1,1"), run))
+    assert sorted(p.name for p in proc.iterdir()) == ["1"]
+    assert spans(tokens_of(proc / "1")) == [("row0", 0, 0, 1, 3, 3, SHORT),
+                                            ("row1", 1, 0, 1, 5, 5, LONG)]
+
+
+def test_a_prompt_hash_is_sha1_of_its_ids_as_little_endian_int64():
+    import hashlib
+    ids = [1, 15043, 3186, 2, 7] + list(range(100, 120))
+    prompt = prompt_of(ids)
+    assert prompt.digest == hashlib.sha1(np.array(ids, dtype="<i8").tobytes()).hexdigest()[:16]
+    assert (prompt.length, prompt.head) == (25, tuple(ids[:16]))
+    assert prompt_of(ids[:-1]).digest != prompt.digest
+
+
+def test_which_tensors_have_the_token_dimension_and_when_requests_are_split():
+    from atb_probe.tokens import Arrangement, RequestSpan, Source, TokenLayout
+    p = prompt_of(SHORT)
+    one = RequestSpan("a", 0, 0, 5, 0, p)
+    flat = TokenLayout(Source.VLLM, Arrangement.FLAT, 5, 1, (one,))
+    assert not flat.per_request
+    assert flat.has_token_dim((5, 32)) and flat.has_token_dim((5,)) and \
+        not flat.has_token_dim((4, 5)) and not flat.has_token_dim(())
+    padded = TokenLayout(Source.VLLM, Arrangement.FLAT, 8, 1, (one,))
+    assert padded.per_request
+    batch = TokenLayout(Source.TRANSFORMERS, Arrangement.BATCH, 5, 2,
+                        (RequestSpan("row0", 0, 2, 5, 0, p), RequestSpan("row1", 1, 0, 5, 0, p)))
+    assert batch.per_request
+    assert batch.has_token_dim((2, 5, 32)) and not batch.has_token_dim((5, 2, 32)) and \
+        not batch.has_token_dim((2,))

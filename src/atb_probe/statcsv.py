@@ -1,10 +1,10 @@
 """statistic.csv: the per-round table of every tensor written (SPEC §5); and
 request_statistic.csv, the same statistics per request of a round holding several (SPEC §9).
 
-One file per round directory, with `HEADER` (`REQUEST_HEADER`) as its first line. The recorder hands rows over as
-side tuples (below), one per op side; the writer formats them (`format_sides`) and appends them
-in batches through an atomic replace of the file (`SafeTree.append_lines`), so a killed process
-leaves only complete lines behind.
+One file per round directory, with `HEADER` (`REQUEST_HEADER`) as its first line. The recorder
+hands rows over as side tuples (below), one per op side; the writer formats them
+(`format_sides`, `format_request_sides`) and appends them in batches through an atomic replace
+of the file (`SafeTree.append_lines`), so a killed process leaves only complete lines behind.
 """
 from __future__ import annotations
 

@@ -273,6 +273,9 @@ class Engine:
         model = self.models.model(module)
         rnd = RoundRun(start, model)
         self.tls.round = rnd
+        if not dumping and tokens is None:
+            # A later dumped decode round names the prompts that start here (tokens.json).
+            self._call_tokens(model, self.models.info(uncompiled(module)), args, kwargs)
         if dumping:
             rnd.record = self.recorder.begin_round(start.devpid, start.index)
             rnd.root_module = module

@@ -363,8 +363,7 @@ class Recorder:
                 stats, _ = self.stats.side(queue, tensors, kernel_output=True,
                                            inputs_seen=record.inputs_seen)
             if by_request is not None:
-                request_cells = self._request_cells(by_request, queue, tensors,
-                                                    kernel and side == OUTPUT)
+                request_cells = self._request_cells(by_request, queue, tensors)
             # Deferred only where every in-place kernel is seen (see forget_written).
             if layer is None or not layer.deferred or queue.nbytes > MAX_PENDING_BYTES:
                 queue.resolve()
@@ -399,26 +398,36 @@ class Recorder:
                     self._request_rows.queue(rnd.record, [request_record])
         return labels
 
-    def _request_cells(self, tokens: TokenLayout, queue: Queue, tensors: list,
-                       kernel_output: bool) -> list:
+    def _request_cells(self, tokens: TokenLayout, queue: Queue, tensors: list) -> list:
         """Statistics cells of each request's slice of the tensors that have the round's token
         dimension, pending in `queue` with the tensors': (tensor index, request, slice shape,
-        cell) each."""
-        slices, where = [], []
+        cell) each. The slices live only until the queue resolves, so nothing of them is
+        looked up or kept (`StatsCache.fresh`)."""
+        out = []
         flat = tokens.arrangement is Arrangement.FLAT
+        fresh = self.stats.fresh
+        seq = tokens.tokens
         for i, t in enumerate(tensors):
-            if not tokens.has_token_dim(t.shape):
+            shape = t.shape
+            if not tokens.has_token_dim(shape):
                 continue
+            if flat:
+                rest, rows = shape[1:], t
+            else:
+                # A request's tokens are one run of a contiguous tensor's memory: one view each.
+                rest = shape[2:]
+                rows = t.view(shape[0] * seq, -1) if t.is_contiguous() and t.numel() else None
             for span in tokens.requests:
-                piece = t[span.start:span.stop] if flat else \
-                    t[span.row:span.row + 1, span.start:span.stop]
-                slices.append(piece)
-                where.append((i, span.request, piece.shape))
-        if not slices:
-            return []
-        # A kernel's outputs are never looked up (see stats_reuse): neither are their slices.
-        cells, _ = self.stats.side(queue, slices, kernel_output=kernel_output)
-        return [(i, request, shape, cell) for (i, request, shape), cell in zip(where, cells)]
+                n = span.stop - span.start
+                if flat:
+                    piece, dims = rows.narrow(0, span.start, n), (n, *rest)
+                elif rows is not None:
+                    piece, dims = rows.narrow(0, span.row * seq + span.start, n), (1, n, *rest)
+                else:
+                    piece = t.narrow(0, span.row, 1).narrow(1, span.start, n)
+                    dims = (1, n, *rest)
+                out.append((i, span.request, dims, fresh(piece, queue)))
+        return out
 
     def _write_tensors(self, rnd, frame, side, dumpable, stats, named, kernel):
         """Queue the `.bin` files of one side (data, or references under filter_level 1 and 2);
@@ -470,13 +479,14 @@ class Recorder:
 
 
 class _RowHandover(threading.local):
-    """statistic.csv rows (request_statistic.csv's with `requests`) of a thread's round that wait to be handed to the writer in one
-    piece: one job (the writer's lock, its accounting) per round rather than per layer-level
-    op execution. They are handed over at the end of the round (whether the model returned or
-    raised), and sooner once `MAX_WAITING_SIDES` sides or `MAX_WAITING_SECONDS` have gathered,
-    so a long round keeps its rows flowing and what waits stays small (rows hold no tensor
-    data: only their shapes and statistics cells). Each job carries what the writer waits on
-    before reading them: the `Landed` of the device batches still on their way, or None."""
+    """statistic.csv rows (request_statistic.csv's, with `requests`) of a thread's round that
+    wait to be handed to the writer in one piece: one job (the writer's lock, its accounting)
+    per round rather than per layer-level op execution. They are handed over at the end of the
+    round (whether the model returned or raised), and sooner once `MAX_WAITING_SIDES` sides or
+    `MAX_WAITING_SECONDS` have gathered, so a long round keeps its rows flowing and what waits
+    stays small (rows hold no tensor data: only their shapes and statistics cells). Each job
+    carries what the writer waits on before reading them: the `Landed` of the device batches
+    still on their way, or None."""
 
     def __init__(self, sink, stats: StatsCache, requests: bool = False):
         self.sink, self.stats = sink, stats
@@ -532,7 +542,7 @@ def _request_rows(request_cells: list, dumpable: list, labels: list) -> list:
     request."""
     rows = []
     for i, request, shape, cell in request_cells:
-        rows += (labels[i], dumpable[i][3].csv_name, shape_cell(tuple(shape)), cell, request)
+        rows += (labels[i], dumpable[i][3].csv_name, shape_cell(shape), cell, request)
     return rows
 
 

@@ -232,6 +232,11 @@ class StatsCache:
             self._keep(t, cell, key)
         return cell
 
+    def fresh(self, t, queue: Queue):
+        """A new cell for `t` pending in `queue`, with no lookup and nothing kept: for a tensor
+        made only to be measured (a request's slice of another), which dies with the queue."""
+        return self._new(t, queue)
+
     @staticmethod
     def _new(t, queue: Queue):
         """A new cell for `t`, pending in `queue` (EMPTY for an empty tensor)."""
