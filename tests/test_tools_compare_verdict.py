@@ -104,7 +104,7 @@ def test_without_the_fault_there_is_no_divergence_but_the_unjudged_layer_is_name
     assert result.finding is None
     assert [u.op_path for u in result.unjudged] == [FLAT]
     text = result.verdict_text()
-    assert text.startswith("no divergence") and "1 op could not be judged" in text
+    assert text.startswith("no divergence") and "1 paired op could not be judged" in text
     assert FLAT in text and "shape differs" in text
 
 
@@ -171,8 +171,8 @@ def test_the_json_summary_and_the_exit_status_for_ci(golden, flat_broken_dump, f
 
 def test_the_summary_groups_what_could_not_be_aligned(golden_ids, broken, tmp_path):
     out = tmp_path / "c"
-    assert cli.main(["compare", str(golden_ids), str(broken), "-o", str(out), "--no-xlsx", "--no-html",
-                     "--fail-on-divergence"]) == 1
+    assert cli.main(["compare", str(golden_ids), str(broken), "-o", str(out), "--no-xlsx",
+                     "--no-html", "--fail-on-divergence"]) == 1
     doc = read_summary(out)
     assert doc["first_divergence"]["inputs"] == "crossing"
     [group] = doc["unmatched"]

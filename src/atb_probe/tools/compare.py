@@ -6,8 +6,8 @@ ID, by name, by an op map, or by execution order and shape between two implement
 metrics.py compares each pair; divergence.py judges them and finds the first diverging op;
 scan.py looks at each side's compared tensors for NaN/Inf and overflow. The stages share the
 records of comparison.py; the whole result (result.py) is written by the renderers:
-resulttable.py (`atb_compare_result.csv` and `.xlsx`, msprobe's columns first) and report.py
-(`atb_compare_report.html`).
+resulttable.py (`atb_compare_result.csv` and `.xlsx`, msprobe's columns first), summary.py
+(`atb_compare_summary.json`, for scripts and CI) and report.py (`atb_compare_report.html`).
 
 Compare mode per tensor (`--mode auto`, the default): tensor metrics when both sides have the
 bytes, else statistics differences from the csv (or from the bytes of the side that has them),
@@ -481,7 +481,7 @@ def _compare(args) -> int:
     if result.finding:
         style = "bold red" if result.finding.inputs_clean else "bold yellow"
     else:
-        style = "yellow" if result.unjudged else "green"
+        style = "yellow" if result.without_metrics() else "green"
     out.print(result.verdict_text(), style=style)
     for scanned in result.scan:
         if scanned.first is not None:

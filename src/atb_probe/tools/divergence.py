@@ -68,28 +68,48 @@ class Unjudged:
     golden_op_path: str          # "" when the golden run has no counterpart
     why: str                     # `shape differs: golden (1, 4, 32), target (4, 32)`
 
+    @property
+    def paired(self) -> bool:
+        """Whether the golden run has the op (its outputs have no metrics), rather than none
+        (the op is also an unmatched entry)."""
+        return bool(self.golden_op_path)
+
     def where(self) -> str:
         """`round 0, 3_LlamaDecoderLayer` (both sides' paths when they differ)."""
         return f"round {self.round_index}, {_both(self.op_path, self.golden_op_path)}"
 
 
-def crossing_metric(row: PairResult, th: Thresholds) -> tuple[str, float | None] | None:
-    """Which number makes a row cross, and its value: (`cosine`, 0.83),
-    (`one_thousandth_ratio`, 0.2), (`norm_rel_pct`, 12.5), (`norm`, the target's norm when the
-    golden's is 0 or not finite), (`nan_mismatch`, None); None when it does not cross."""
+class Metric(StrEnum):
+    """The number that makes a row cross (`crossing`)."""
+
+    COSINE = "cosine"
+    RATIO = "one_thousandth_ratio"
+    NORM_REL_PCT = "norm_rel_pct"
+    NORM = "norm"                # the target's norm, where the golden's is 0 or not finite
+    NAN_MISMATCH = "nan_mismatch"   # NaN/Inf in one run only: no value
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    metric: Metric
+    value: float | None
+
+
+def crossing(row: PairResult, th: Thresholds) -> Crossing | None:
+    """Which number makes a row cross, and its value; None when it does not cross."""
     if not crosses(row, th):
         return None
     if row.mode == PairMode.TENSOR:
         cos = row.metrics.cosine
         if row.note.startswith("nan_mismatch"):
-            return "nan_mismatch", None
+            return Crossing(Metric.NAN_MISMATCH, None)
         if cos is not None and cos < th.min_cosine:
-            return "cosine", cos
-        return "one_thousandth_ratio", row.metrics.one_thousandth_ratio
+            return Crossing(Metric.COSINE, cos)
+        return Crossing(Metric.RATIO, row.metrics.one_thousandth_ratio)
     if row.diffs.norm_rel_pct is None or not math.isfinite(row.target_stats.norm) \
             or not math.isfinite(row.golden_stats.norm):
-        return "norm", row.target_stats.norm
-    return "norm_rel_pct", row.diffs.norm_rel_pct
+        return Crossing(Metric.NORM, row.target_stats.norm)
+    return Crossing(Metric.NORM_REL_PCT, row.diffs.norm_rel_pct)
 
 
 @dataclass(slots=True)

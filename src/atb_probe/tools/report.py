@@ -88,7 +88,7 @@ def _fmt(value) -> str:
 def _finding_box(result) -> str:
     f = result.finding
     if f is None:
-        if not result.unjudged:
+        if not result.without_metrics():
             return (f"<div class='ok'><b>No divergence.</b> No output crosses "
                     f"{_escape(result.thresholds.describe())}.</div>")
         return (f"<div class='warn'><div class='big'>No divergence among the compared "
@@ -257,8 +257,8 @@ def _layers(result) -> str:
         f"<td>{_fmt(e.min_cosine)}</td><td>{_fmt(e.max_error)}</td></tr>"
         for (r, layer), e in layers.items())
     return ("<h2>Per layer</h2><table class='grid'><tr><th>round</th><th>layer</th>"
-            "<th>outputs</th><th>crossing</th><th>without metrics</th><th>min cosine</th><th>max relative error</th>"
-            f"</tr>{body}</table>")
+            "<th>outputs</th><th>crossing</th><th>without metrics</th><th>min cosine</th>"
+            f"<th>max relative error</th></tr>{body}</table>")
 
 
 def _key(row: PairResult) -> tuple[str, str, int]:

@@ -77,9 +77,14 @@ class CompareResult:
         if self.finding is not None:
             return self.finding.summary()
         text = f"no divergence: no compared output crosses {self.thresholds.describe()}"
-        if self.unjudged:
-            n = len(self.unjudged)
-            text += (f"; but {n} op{'s' if n > 1 else ''} could not be judged (outputs without "
-                     f"metrics), the first: {self.unjudged[0].where()} "
-                     f"({self.unjudged[0].why})")
+        unknown = self.without_metrics()
+        if unknown:
+            n = len(unknown)
+            text += (f"; but {n} paired op{'s' if n > 1 else ''} could not be judged (outputs "
+                     f"without metrics), the first: {unknown[0].where()} ({unknown[0].why})")
         return text
+
+    def without_metrics(self) -> list[Unjudged]:
+        """The ops that could not be judged although the golden run has them (those it has
+        not are unmatched entries as well)."""
+        return [u for u in self.unjudged if u.paired]

@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict
 
 from .comparison import PairMode, PairResult, Role, TensorRef, Unmatched
-from .divergence import Finding, Unjudged, crossing_metric
+from .divergence import Finding, Unjudged, crossing
 from .result import CompareResult
 
 SUMMARY_JSON = "atb_compare_summary.json"
@@ -57,8 +57,7 @@ def _finding(f: Finding | None, result: CompareResult) -> dict | None:
     if f is None:
         return None
     row = f.row
-    crossing = crossing_metric(row, result.thresholds)
-    name, value = crossing if crossing else (None, None)
+    crossed = crossing(row, result.thresholds)
     return {
         "inputs": str(f.inputs),
         "golden": _side(row, Role.GOLDEN),
@@ -68,8 +67,8 @@ def _finding(f: Finding | None, result: CompareResult) -> dict | None:
         {"first": f.positions.start, "last": f.positions.stop - 1},
         "compare_mode": str(row.mode),
         "match": str(row.match),
-        "metric": name,
-        "value": value,
+        "metric": None if crossed is None else str(crossed.metric),
+        "value": None if crossed is None else crossed.value,
         "metrics": asdict(row.metrics) if row.mode == PairMode.TENSOR else
         {"norm_rel_pct": row.diffs.norm_rel_pct,
          "golden_norm": row.golden_stats.norm if row.golden_stats else None,
