@@ -17,6 +17,7 @@ from atb_probe.tools.compare import compare_dumps, write_outputs
 from atb_probe.tools.comparison import PairMode, Positions, Role, UnmatchedKind
 from atb_probe.tools.dumpreader import open_dump
 from atb_probe.tools.report import REPORT_HTML
+from atb_probe.tools.summary import summary_doc
 from atb_probe.tools.tokenpairs import pair_by_tokens
 from atb_probe.tools.tokens import LayoutError, layout_of, read_layout
 
@@ -294,6 +295,10 @@ def test_a_perturbed_layer_is_named_with_its_request_and_tokens_in_tensor_mode(
         f and f.summary()
     assert f.request == "0" and f.positions == Positions(0, 5)
     assert "round 0 ~ 0[req 0, pos 0-4], " + PERTURBED_MODULE in f.summary()
+    doc = summary_doc(result)
+    assert doc["rounds_paired"] == "by tokens: 2 requests, 6 round slices"
+    assert doc["first_divergence"]["request"] == "0"
+    assert doc["first_divergence"]["token"] == {"first": 0, "last": 4}
 
 
 def test_a_perturbed_layer_is_named_in_statistics_mode_from_the_statistics_per_request(
