@@ -31,6 +31,13 @@ tensors included (`opmap.resolve`).
 Match methods (comparison.MatchMethod), as the `Match` column shows them: `id`, `name`, `map`
 (the map made the pair, here or above), `order` (execution order and shapes made the pair, here
 or above).
+
+Rounds are paired by round number, or by the tokens they hold (tokenpairs.py) when every round
+of both runs says which (tokens.json) and the two runs laid their tokens out differently
+(batching, chunked prefill, padding, request order): then each pair of rounds is one request's
+positions in both, a `RoundPair` with its `SlicePair`, and a round may be in several pairs. The
+op alignment of two rounds is the same whichever way they were paired, and is made once per
+pair of rounds.
 """
 from __future__ import annotations
 
@@ -39,10 +46,16 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from .. import layout
+from ..dtypes import DTYPES
+from ..layout import Side
 from ..statcsv import parse_shape
+from ..tokens import TokenLayout
+from . import StrEnum
 from .comparison import MatchMethod, Role, Unmatched, UnmatchedKind
-from .dumpreader import Dump, DumpLevel, Op, Process, Round
+from .dumpreader import Dump, DumpLevel, Op, Process, Round, TensorRecord
 from .opmap import OpMap, Tensor, resolve
+from .tokenpairs import SlicePair, pair_by_tokens
+from .tokens import LayoutError
 
 
 @dataclass(slots=True)
@@ -113,51 +126,177 @@ class RoundPair:
     golden: Round
     target: Round
     ops: list[OpPair]
+    tokens: SlicePair[Round] | None = None   # paired by tokens: the request's tokens compared
+
+
+class RoundMethod(StrEnum):
+    """How the rounds of two processes were paired."""
+
+    NUMBER = "by round number"
+    TOKENS = "by tokens"
+
+
+@dataclass(slots=True)
+class RoundPairing:
+    """How the rounds were paired, for the summary: `by tokens: 2 requests, 9 round slices`."""
+
+    method: RoundMethod = RoundMethod.NUMBER
+    requests: int = 0            # by tokens: requests both runs ran
+    slices: int = 0              # by tokens: round slice pairs
+    why: str = ""                # by number: why not by tokens, when one side could have been
+
+    def text(self) -> str:
+        if self.method == RoundMethod.TOKENS:
+            return (f"{self.method}: {self.requests} request{'s' * (self.requests != 1)}, "
+                    f"{self.slices} round slice{'s' * (self.slices != 1)}")
+        return f"{self.method} ({self.why})" if self.why else str(self.method)
+
+    def add(self, other: RoundPairing) -> None:
+        """Take in another process pair's pairing (the method by tokens, if any was)."""
+        if other.method == RoundMethod.TOKENS:
+            self.method = RoundMethod.TOKENS
+            self.why = ""
+        elif self.method == RoundMethod.NUMBER:
+            self.why = self.why or other.why
+        self.requests += other.requests
+        self.slices += other.slices
+
+
+@dataclass(slots=True)
+class RoundMatch:
+    """Two rounds paired, and the request's tokens they were paired for (by tokens)."""
+
+    golden: Round
+    target: Round
+    tokens: SlicePair[Round] | None = None
 
 
 @dataclass(slots=True)
 class Alignment:
     rounds: list[RoundPair]
     unmatched: list[Unmatched]
+    pairing: RoundPairing = field(default_factory=RoundPairing)
 
     @property
     def name_matched(self) -> int:
-        return sum(1 for r in self.rounds for o in r.ops if o.method != MatchMethod.ID)
+        seen, count = set(), 0
+        for r in self.rounds:
+            if (id(r.golden), id(r.target)) not in seen:   # a pair of rounds counts once
+                seen.add((id(r.golden), id(r.target)))
+                count += sum(1 for o in r.ops if o.method != MatchMethod.ID)
+        return count
 
 
 def align_dumps(golden: Dump, target: Dump, opmap: OpMap | None = None,
                 left: Role | None = None) -> Alignment:
     """Pair everything pairable in two dumps opened at the same level; `left`: which of them
     is the op map's left side, when its conventions apply (conventions.choose)."""
-    rounds = pair_rounds(golden, target)
+    rounds, pairing = pair_rounds(golden, target)
     unmatched = list(rounds.unmatched)
     pairs: list[RoundPair] = []
-    for g, t in rounds.pairs:
-        ops = align_rounds(g, t, opmap, left)
-        pairs.append(RoundPair(g, t, ops.pairs))
-        unmatched += ops.unmatched
-    return Alignment(pairs, unmatched)
+    aligned: dict[tuple[int, int], list[OpPair]] = {}
+    for match in rounds.pairs:
+        g, t = match.golden, match.target
+        ops = aligned.get((id(g), id(t)))
+        if ops is None:
+            found = align_rounds(g, t, opmap, left)
+            ops = aligned[(id(g), id(t))] = found.pairs
+            unmatched += found.unmatched
+        pairs.append(RoundPair(g, t, ops, match.tokens))
+    return Alignment(pairs, _distinct(unmatched), pairing)
 
 
-def pair_rounds(golden: Dump, target: Dump) -> Paired[tuple[Round, Round]]:
-    """The rounds of two dumps that correspond: same process (device), same round number."""
+def _distinct(entries: list[Unmatched]) -> list[Unmatched]:
+    """Each entry once: a round paired with slices of several rounds of the other side has its
+    leftovers found once per pair."""
+    seen = set()
+    out = []
+    for u in entries:
+        key = (u.side, u.kind, u.where, u.what)
+        if key not in seen:
+            seen.add(key)
+            out.append(u)
+    return out
+
+
+def pair_rounds(golden: Dump, target: Dump) -> tuple[Paired[RoundMatch], RoundPairing]:
+    """The rounds of two dumps that correspond, process (device) by process: by round number
+    when the rounds of the same number hold the same tokens alike (or a side does not say
+    which), else by the tokens they hold; and how they were paired."""
     processes = _pair_processes(golden.processes, target.processes)
-    out: Paired[tuple[Round, Round]] = Paired(unmatched=processes.unmatched)
+    out: Paired[RoundMatch] = Paired(unmatched=processes.unmatched)
+    pairing = RoundPairing()
     for gp, tp in processes.pairs:
-        g_rounds = {r.index: r for r in gp.rounds}
-        t_rounds = {r.index: r for r in tp.rounds}
-        if golden.kind == DumpLevel.ROUND and target.kind == DumpLevel.ROUND:
-            # Two round folders given by hand: compare them whatever their numbers.
-            g_rounds = {0: gp.rounds[0]}
-            t_rounds = {0: tp.rounds[0]}
-        for index in sorted(set(g_rounds) | set(t_rounds)):
-            g, t = g_rounds.get(index), t_rounds.get(index)
-            if g is None or t is None:
-                side, r = (Role.GOLDEN, g) if t is None else (Role.TARGET, t)
-                out.unmatched.append(Unmatched(side, UnmatchedKind.ROUND, r.where,
-                                               f"round {r.index}", len(r.ops)))
-                continue
-            out.pairs.append((g, t))
+        g_list, t_list = gp.rounds, tp.rounds
+        by_hand = golden.kind == DumpLevel.ROUND and target.kind == DumpLevel.ROUND
+        if by_hand:
+            g_list, t_list = g_list[:1], t_list[:1]
+        numbered = _by_number(g_list, t_list, by_hand)
+        layouts, why = _layouts(g_list, t_list)
+        if layouts is not None and not (numbered.pairs and all(
+                _same_tokens(m.golden.tokens, m.target.tokens) for m in numbered.pairs)):
+            tokens = pair_by_tokens(*layouts)
+            out.pairs += [RoundMatch(p.golden.round, p.target.round, p) for p in tokens.pairs]
+            out.unmatched += tokens.unmatched
+            pairing.add(RoundPairing(RoundMethod.TOKENS, tokens.requests, len(tokens.pairs)))
+            continue
+        pairing.add(RoundPairing(why=why))
+        out.add(numbered)
+    return out, pairing
+
+
+def _same_tokens(golden: TokenLayout, target: TokenLayout) -> bool:
+    """Whether two rounds of the same number hold the same tokens alike: the same requests
+    (by prompt) at the same positions and places along the same token dimension (the fast
+    path: such rounds are paired by number, their tensors compared whole)."""
+    def places(layout: TokenLayout) -> tuple:
+        return (layout.arrangement, layout.tokens, layout.rows,
+                tuple((r.row, r.start, r.stop, r.position, r.prompt.digest)
+                      for r in layout.requests))
+    return places(golden) == places(target)
+
+
+def _layouts(golden: list[Round], target: list[Round]
+             ) -> tuple[tuple[list, list] | None, str]:
+    """Each side's rounds with their token layouts; None when a round has none (and why, when
+    the other side has them: the rounds are then paired by number)."""
+    sides: list[list[tuple[Round, TokenLayout]]] = []
+    missing: list[str] = []
+    for role, rounds in ((Role.GOLDEN, golden), (Role.TARGET, target)):
+        found = []
+        for rnd in rounds:
+            try:
+                found.append((rnd, rnd.tokens))
+            except LayoutError as exc:
+                return None, f"{role} round {rnd.where}: {exc}"
+        lacking = [rnd for rnd, tokens in found if tokens is None]
+        if lacking:
+            missing.append(f"{role} round {lacking[0].where} has no token layout")
+        sides.append(found)
+    if missing:
+        # No layout on either side (dumps made before token layouts, a model that is no token
+        # model) is nothing to remark on; layouts on one side only, or on some rounds, are.
+        has_some = any(t is not None for side in sides for _, t in side)
+        return None, "; ".join(missing) if has_some else ""
+    return (sides[0], sides[1]), ""
+
+
+def _by_number(golden: list[Round], target: list[Round], by_hand: bool) -> Paired[RoundMatch]:
+    """Rounds of the same number paired; `by_hand`: two round folders given as they are,
+    compared whatever their numbers."""
+    out: Paired[RoundMatch] = Paired()
+    g_rounds = {r.index: r for r in golden}
+    t_rounds = {r.index: r for r in target}
+    if by_hand:
+        g_rounds, t_rounds = {0: golden[0]}, {0: target[0]}
+    for index in sorted(set(g_rounds) | set(t_rounds)):
+        g, t = g_rounds.get(index), t_rounds.get(index)
+        if g is None or t is None:
+            side, r = (Role.GOLDEN, g) if t is None else (Role.TARGET, t)
+            out.unmatched.append(Unmatched(side, UnmatchedKind.ROUND, r.where,
+                                           f"round {r.index}", len(r.ops)))
+            continue
+        out.pairs.append(RoundMatch(g, t))
     return out
 
 
@@ -477,24 +616,73 @@ def squeezed(shape: str) -> tuple[int, ...] | str:
 
 
 def _pair_tensors(g: Op, t: Op, method: MatchMethod) -> list[TensorPair]:
-    """The tensors of two ops of one name: by (side, index), else by (side, the index's
-    leading number)."""
-    g_by = {(x.io, x.index): x for x in g.tensors}
-    pairs, left_t = [], []
-    for x in t.tensors:
+    """The tensors of two ops of one name: by (side, index); what is left by (side, parameter
+    name) and then by (side, the index's leading number). Inputs known only by their number
+    whose counts differ (an attention mask passed only to a padded batch) are paired in call
+    order by kind and rank instead (`_pair_in_order`)."""
+    pairs: list[TensorPair] = []
+    g_tensors, t_tensors = g.tensors, t.tensors
+    g_in, t_in = g.inputs, t.inputs
+    if len(g_in) != len(t_in) and all(x.index.isdigit() for x in g_in + t_in):
+        pairs = _pair_in_order(g_in, t_in, method)
+        g_tensors = [x for x in g_tensors if x.io != Side.INPUT]
+        t_tensors = [x for x in t_tensors if x.io != Side.INPUT]
+    g_by = {(x.io, x.index): x for x in g_tensors}
+    left_t = []
+    for x in t_tensors:
         y = g_by.pop((x.io, x.index), None)
         if y is None:
             left_t.append(x)
         else:
             pairs.append(TensorPair(y, x, method))
-    if left_t and g_by:
-        # Same position, other parameter name (`intensor0_x` vs `intensor0_input`).
-        by_number = {(y.io, y.index.partition("_")[0]): key for key, y in g_by.items()}
+    for part in (_param_name, _leading_number):
+        if not (left_t and g_by):
+            break
+        # Another position, same parameter name (`intensor3_position_ids` vs
+        # `intensor4_position_ids`); then the same position, another parameter name
+        # (`intensor0_x` vs `intensor0_input`).
+        by_part = {(y.io, part(y.index)): key for key, y in g_by.items() if part(y.index)}
+        rest = []
         for x in left_t:
-            key = by_number.pop((x.io, x.index.partition("_")[0]), None)
-            if key is not None:
+            key = by_part.pop((x.io, part(x.index)), None) if part(x.index) else None
+            if key is None:
+                rest.append(x)
+            else:
                 pairs.append(TensorPair(g_by.pop(key), x, method))
+        left_t = rest
     return pairs
+
+
+def _param_name(index: str) -> str:
+    return index.partition("_")[2]
+
+
+def _leading_number(index: str) -> str:
+    return index.partition("_")[0]
+
+
+def _pair_in_order(golden: list[TensorRecord], target: list[TensorRecord],
+                   method: MatchMethod) -> list[TensorPair]:
+    """Two lists of tensors paired in order where their kinds (float, integer, bool) and ranks
+    agree, as many as can be (the longest common subsequence)."""
+    def keys(tensors: list[TensorRecord]) -> list[tuple]:
+        out = []
+        for x in tensors:
+            try:
+                rank = len(parse_shape(x.shape))
+            except ValueError:
+                rank = -1
+            out.append((_KINDS.get(x.dtype, x.dtype), rank))
+        return out
+    matcher = difflib.SequenceMatcher(None, keys(golden), keys(target), autojunk=False)
+    return [TensorPair(golden[block.a + k], target[block.b + k], method)
+            for block in matcher.get_matching_blocks() for k in range(block.size)]
+
+
+# A dtype's kind, by its csv name: `float` (every width, bf16 and fp8 included), `integer`,
+# or the name itself (bool, complex).
+_KINDS = {d.csv_name: "float" if "float" in d.torch_name else
+          "integer" if "int" in d.torch_name else d.csv_name for d in DTYPES}
 
 
 def _pair_by_shape(g: Op, t: Op, method: MatchMethod, opmap: OpMap) -> list[TensorPair]:

@@ -15,6 +15,12 @@ Compare mode per tensor (`--mode auto`, the default): tensor metrics when both s
 bytes, else statistics differences from the csv (or from the bytes of the side that has them),
 else `no data`.
 
+Rounds paired by tokens (align.py): a tensor that has its round's token dimension is compared
+on the request's tokens only (`TensorRef.cut`, applied where the worker loads it), once per
+slice pair; its statistics are then those of request_statistic.csv when the slice is the
+request's whole span in its round, and none otherwise (the row's note says why). A tensor
+without it (a weight) is compared whole, once per pair of rounds, and judged with every slice.
+
 Scale: the alignment reads only the statistic.csv files, in this process; the pairs are then
 cut into batches (`BATCH_ELEMENTS`, `BATCH_PAIRS`) and compared `--jobs` at a time in worker
 processes (jobs.py). A worker holds one pair of tensors at a time and reduces it in chunks, so
@@ -30,12 +36,14 @@ import threading
 from dataclasses import dataclass
 
 from ..layout import Side
-from ..statcsv import is_empty_shape, parse_shape
+from ..statcsv import is_empty_shape, parse_shape, shape_cell
+from ..tokens import Arrangement
 from . import extras
-from .align import Alignment, RoundPair, align_dumps
+from .align import Alignment, RoundPair, TensorPair, align_dumps
 from .arrays import ReadBuffer, load_values
-from .comparison import (CompareError, CompareMode, MatchMethod, PairMode, PairResult, RefPair,
-                         Role, RoundNumbers, TensorRef, Thresholds, Unmatched, UnmatchedKind)
+from .comparison import (CompareError, CompareMode, CutDims, MatchMethod, PairMode, PairResult,
+                         Positions, RefPair, Role, RoundNumbers, TensorRef, Thresholds,
+                         TokenSlice, Unmatched, UnmatchedKind)
 from .divergence import Finding, OpRows, crosses, judge
 from .dumpreader import DumpError, DumpLevel, NoData, open_dump
 from .jobs import default_jobs, progress_bar, worker_pool
@@ -45,6 +53,7 @@ from .opmap import OpMap, load_map
 from .result import CompareResult
 from .scan import scan_compared
 from .shards import JoinedRanks, find_ranks, joined_note, load_joined
+from .tokenpairs import SideSlice
 
 MODES = tuple(mode.value for mode in CompareMode)
 BATCH_ELEMENTS = 1 << 23     # elements per batch sent to a worker (32 MB of float32 per side)
@@ -53,20 +62,32 @@ BATCH_PAIRS = 512            # and at most this many pairs: small tensors cost p
 
 @dataclass(slots=True)
 class _OpSpan:
-    """A compared op pair and the place of its tensor pairs in the work: `[start, end)`."""
+    """A compared op pair and the places of its tensor pairs in the work."""
 
     round_index: int
     op_path: str                 # the target's
     golden_op_path: str
-    start: int
-    end: int
+    indices: list[int]
+    request: str = ""
+    positions: Positions | None = None
 
     def rows(self, rows: list[PairResult]) -> OpRows:
         """The op with the compared rows of its tensors (`rows`: the results of the work)."""
-        own = rows[self.start:self.end]
+        own = [rows[i] for i in self.indices]
         return OpRows(self.round_index, self.op_path, self.golden_op_path,
                       [r for r in own if r.io == Side.INPUT],
-                      [r for r in own if r.io == Side.OUTPUT])
+                      [r for r in own if r.io == Side.OUTPUT], request=self.request,
+                      positions=self.positions)
+
+
+@dataclass(slots=True)
+class _Slicing:
+    """What the alignment says of one pair of the work: the request and positions it was cut
+    to, and why a cut side has no statistics."""
+
+    request: str = ""
+    positions: Positions | None = None
+    note: str = ""
 
 
 def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMode.AUTO,
@@ -96,21 +117,45 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
     alignment: Alignment = align_dumps(g_dump, t_dump, chosen and chosen.opmap,
                                        chosen and chosen.left)
     work: list[RefPair] = []
+    slicing: list[_Slicing] = []
     spans: list[_OpSpan] = []
     alone: list[OpRows] = []     # ops of the target with no counterpart: not judged
     round_ends = []
+    whole: dict[tuple[int, int], dict[int, int]] = {}   # round pair -> tensor pair -> work
+    targets = set()
     for rp in alignment.rounds:
         round_ends.append(len(work))
-        alone += _target_only(rp)
+        if id(rp.target) not in targets:   # a round paired with slices of several: once
+            targets.add(id(rp.target))
+            alone += _target_only(rp)
+        once = whole.setdefault((id(rp.golden), id(rp.target)), {})
+        request, positions = (rp.tokens.label, rp.tokens.positions) if rp.tokens else ("", None)
         for op in rp.ops:
-            start = len(work)
-            # An allocation kernel's output holds whatever the memory held: nothing to compare.
-            work.extend(RefPair(*_refs(p, ranks), p.method) for p in op.tensors
-                        if not (p.golden.uninitialized or p.target.uninitialized))
-            spans.append(_OpSpan(rp.target.index, op.target.op_path, op.golden.op_path, start,
-                                 len(work)))
+            indices = []
+            for p in op.tensors:
+                # An allocation kernel's output holds whatever the memory held: nothing to
+                # compare.
+                if p.golden.uninitialized or p.target.uninitialized:
+                    continue
+                pair, per_token, note = _ref_pair(p, rp, ranks)
+                if rp.tokens is not None and not per_token:
+                    index = once.get(id(p))
+                    if index is not None:     # compared with an earlier slice of these rounds
+                        indices.append(index)
+                        continue
+                    once[id(p)] = len(work)
+                    slicing.append(_Slicing())
+                else:
+                    slicing.append(_Slicing(request, positions, note))
+                indices.append(len(work))
+                work.append(pair)
+            spans.append(_OpSpan(rp.target.index, op.target.op_path, op.golden.op_path,
+                                 indices, request, positions))
     rows = run_pairs(work, mode, jobs, progress, batch_elements)
-    for row in rows:
+    for row, sliced in zip(rows, slicing):
+        row.request, row.positions = sliced.request, sliced.positions
+        if sliced.note and row.mode == PairMode.NO_DATA:
+            row.note = "; ".join(filter(None, (sliced.note, row.note)))
         row.diverged = crosses(row, thresholds)
     ops = sorted([span.rows(rows) for span in spans] + alone, key=lambda op: op.finished)
     verdict = judge(ops)
@@ -120,11 +165,12 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
             for r in sorted(rows[start:end], key=lambda r: r.order)]
     if finding is not None:
         finding.first_inside = _first_inside(rows, finding)
+    numbers = dict.fromkeys(RoundNumbers(rp.golden.index, rp.target.index)
+                            for rp in alignment.rounds)
     return CompareResult(g_dump.path, t_dump.path, mode, thresholds, rows, alignment.unmatched,
-                         finding, [RoundNumbers(rp.golden.index, rp.target.index)
-                                   for rp in alignment.rounds],
-                         alignment.name_matched, scan_compared(rows), max(1, jobs),
-                         verdict.unjudged, chosen.opmap.title() if chosen else "",
+                         finding, list(numbers), alignment.name_matched, scan_compared(rows),
+                         max(1, jobs), verdict.unjudged, alignment.pairing.text(),
+                         chosen.opmap.title() if chosen else "",
                          ranks.summary if ranks is not None else None)
 
 
@@ -133,6 +179,72 @@ def _refs(pair, ranks) -> tuple[TensorRef, TensorRef]:
     if ranks is None:
         return TensorRef.of(pair.golden), TensorRef.of(pair.target)
     return ranks.refs(pair.golden, pair.target)
+
+
+def _ref_pair(pair: TensorPair, rp: RoundPair, ranks: JoinedRanks | None
+              ) -> tuple[RefPair, bool, str]:
+    """The refs of a tensor pair of a round pair, cut to the pair's tokens where they have
+    them; whether either side holds tokens of its round (else the two are compared whole);
+    and why a cut side has no statistics, if one has none."""
+    refs, per_token, notes = [], False, []
+    for role, record, ref in zip((Role.GOLDEN, Role.TARGET), (pair.golden, pair.target),
+                                 _refs(pair, ranks)):
+        if rp.tokens is not None:
+            tokens, note = _cut(ref, record, rp.tokens.side(role))
+            per_token = per_token or tokens
+            if note:
+                notes.append(f"{role}: {note}")
+        refs.append(ref)
+    return RefPair(refs[0], refs[1], pair.method), per_token, "; ".join(notes)
+
+
+def _cut(ref: TensorRef, record, side: SideSlice) -> tuple[bool, str]:
+    """Cut `ref` to the slice's tokens when its tensor has them: whether it holds tokens of its
+    round (cut or not), and why its statistics are gone, if they are."""
+    try:
+        dims = parse_shape(record.shape)
+    except ValueError:
+        return False, ""
+    layout, span = side.layout, side.span
+    if layout.has_token_dim(dims):
+        if side.whole_round:
+            return True, ""
+        ref.cut = TokenSlice(CutDims(layout.arrangement.value), span.row, side.start, side.stop)
+        if side.whole_span:
+            if getattr(record, "parts", None):    # derived: no statistics of its own
+                ref.stats = None
+                why = f"{ref.data_name} is derived from other tensors: it has no statistics"
+            else:
+                ref.stats = record.round.request_stats(record, span.request)
+                why = (f"round {ref.round_index} has no statistics of request "
+                       f"{span.request!r} (request_statistic.csv)")
+        else:
+            ref.stats = None
+            held = Positions(span.position, span.position + span.stop - span.start)
+            why = (f"the statistics of round {ref.round_index} are over positions {held} of "
+                   "the request, this pair compares part of them")
+    elif layout.arrangement == Arrangement.BATCH and layout.rows > 1 and dims \
+            and dims[0] == layout.rows * layout.tokens:
+        # The batch's tokens flattened (`[batch * seq, hidden]`, the input of a matmul kernel).
+        offset = span.row * layout.tokens
+        ref.cut = TokenSlice(CutDims.FLAT, 0, offset + side.start, offset + side.stop)
+        ref.stats = None
+        why = "no statistics of a flattened batch's request tokens"
+    elif dims and side.whole_span and len(layout.requests) > 1 and (
+            dims[0] == layout.rows if layout.arrangement == Arrangement.BATCH
+            else dims[0] == len(layout.requests)):
+        # A request's tensor that is not per token (the logits of its last token): a batch
+        # row, or in a flat layout the request's place among the round's requests (vLLM's
+        # logits); over the same tokens as the other side's when both spans are whole.
+        row = span.row if layout.arrangement == Arrangement.BATCH \
+            else layout.requests.index(span)
+        ref.cut = TokenSlice(CutDims.ROW, row)
+        ref.stats = None
+        why = f"no statistics of request {span.request!r}'s row alone"
+    else:
+        return False, ""
+    ref.shape = shape_cell(ref.cut.shape(dims))
+    return True, "" if ref.stats is not None else why
 
 
 def _target_only(rp: RoundPair) -> list[OpRows]:
@@ -201,7 +313,9 @@ def _first_inside(rows: list[PairResult], finding: Finding) -> str:
     prefix = finding.op_path + "/"
     for row in rows:
         if row.round_index == finding.round_index and row.diverged \
-                and row.op_path.startswith(prefix):
+                and row.op_path.startswith(prefix) and (
+                    not row.request or (row.request, row.positions)
+                    == (finding.request, finding.positions)):
             return row.name
     return ""
 
@@ -271,8 +385,8 @@ def _buffers() -> tuple[ReadBuffer, ReadBuffer]:
 
 
 def _load(ref: TensorRef, buffer: ReadBuffer):
-    """The values of a tensor (the whole of a joined one) and a note: why there are none, or
-    that ranks meant to agree do not."""
+    """A ref's values (derived from its parts, joined from its ranks' pieces, cut to its
+    tokens) and a note: why there are none, or that ranks meant to agree do not."""
     try:
         if ref.derive is not None:
             # The parts are alive together: none of them goes into the shared buffer.
@@ -280,15 +394,23 @@ def _load(ref: TensorRef, buffer: ReadBuffer):
             missing = next((why for values, why in loaded if values is None), None)
             if missing is not None:
                 return None, missing
-            return ref.derive.apply([values for values, _ in loaded]), \
-                "; ".join(why for _, why in loaded if why)
-        if ref.pieces is not None:
-            return load_joined(ref.pieces)
-        return load_values(ref.path, buffer), ""
+            values = ref.derive.apply([values for values, _ in loaded])
+            note = "; ".join(why for _, why in loaded if why)
+        elif ref.pieces is not None:
+            values, note = load_joined(ref.pieces)
+        else:
+            values, note = load_values(ref.path, buffer), ""
     except NoData as exc:
         return None, str(exc)
     except ValueError as exc:
         return None, f"cannot derive {ref.data_name}: {exc}"
+    if ref.cut is None:
+        return values, note
+    cut = ref.cut.apply(values)
+    if shape_cell(cut.shape) != ref.shape:
+        return None, (f"the data's shape {shape_cell(values.shape)} does not hold the "
+                      f"request's tokens {ref.shape}")
+    return cut, note
 
 
 def write_outputs(result: CompareResult, out: str, xlsx: bool = True,
@@ -384,7 +506,7 @@ def _compare(args) -> int:
     except CompareError as exc:
         print(f"atb-probe compare: {exc}", file=sys.stderr)
         return 2
-    out = Console(highlight=False, soft_wrap=True)
+    out = Console(highlight=False, soft_wrap=True, markup=False)   # names hold brackets
     if result.conventions:
         out.print(f"conventions: {result.conventions}")
     if not result.rows:
@@ -399,8 +521,8 @@ def _compare(args) -> int:
         print(f"atb-probe compare: cannot write the results: {exc}", file=sys.stderr)
         return 2
     c = result.counts()
-    out.print(f"compared {len(result.rows)} tensors in {len(result.rounds)} round(s): "
-              f"{c.tensor} by tensor, {c.statistics} by statistics, "
+    out.print(f"compared {len(result.rows)} tensors in {len(result.rounds)} round(s), paired "
+              f"{result.pairing}: {c.tensor} by tensor, {c.statistics} by statistics, "
               f"{c.no_data} without data; {c.crossing} cross the thresholds")
     if result.ranks is not None:
         _print_ranks(out, result.ranks)

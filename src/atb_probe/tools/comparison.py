@@ -68,6 +68,58 @@ class Role(StrEnum):
     GOLDEN = "golden"            # the reference
     TARGET = "target"            # the dump to check
 
+    def other(self) -> Role:
+        return Role.TARGET if self == Role.GOLDEN else Role.GOLDEN
+
+
+class CutDims(StrEnum):
+    """Which dimensions of a tensor a `TokenSlice` cuts."""
+
+    FLAT = "flat"                # dim 0 is the tokens: `[num_tokens, hidden]`
+    BATCH = "batch"              # dim 0 the batch row, dim 1 its tokens: `[batch, seq, hidden]`
+    ROW = "row"                  # dim 0 the request's row only: a tensor not per token
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSlice:
+    """The part of a dumped tensor one request's tokens hold: tokens `[start, stop)` along the
+    token dimension (of batch row `row`). A cut row keeps its dimension (`1 x stop-start x
+    hidden`), so it meets the tensor of a run that ran the request alone in the same shape."""
+
+    dims: CutDims
+    row: int = 0
+    start: int = 0
+    stop: int = 0
+
+    def apply(self, array):
+        """The slice of an array (numpy, or anything indexed alike) of the dumped shape."""
+        if self.dims == CutDims.FLAT:
+            return array[self.start:self.stop]
+        if self.dims == CutDims.BATCH:
+            return array[self.row:self.row + 1, self.start:self.stop]
+        return array[self.row:self.row + 1]
+
+    def shape(self, dims: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the slice of a tensor of shape `dims`."""
+        if self.dims == CutDims.FLAT:
+            return (self.stop - self.start,) + dims[1:]
+        if self.dims == CutDims.BATCH:
+            return (1, self.stop - self.start) + dims[2:]
+        return (1,) + dims[1:]
+
+
+@dataclass(frozen=True, slots=True)
+class Positions:
+    """Positions `[start, stop)` of a request's sequence (0: its prompt's first token)."""
+
+    start: int
+    stop: int
+
+    def __str__(self) -> str:
+        """`0-6` (both ends included), or `7` for one token."""
+        last = self.stop - 1
+        return str(self.start) if last == self.start else f"{self.start}-{last}"
+
 
 class DeriveKind(StrEnum):
     """How a derived tensor is computed from its parts."""
@@ -159,6 +211,7 @@ class TensorRef:
     parts: tuple[TensorRef, ...] = ()   # a derived tensor: the tensors it is computed from
     derive: Derivation | None = None    # and how (opmap.py)
     pieces: Pieces | None = None  # a tensor of several ranks: shape and stats are the whole's
+    cut: TokenSlice | None = None   # the part compared, when not the whole tensor
 
     @classmethod
     def of(cls, record) -> TensorRef:
@@ -166,8 +219,8 @@ class TensorRef:
         parts = getattr(record, "parts", ())
         return cls(record.data_name, record.round.process.name, record.round.index,
                    record.dtype, record.shape, record.stats, record.path, record.order,
-                   record.layer, record.io, tuple(cls.of(p) for p in parts),
-                   getattr(record, "derive", None))
+                   record.layer, record.io, parts=tuple(cls.of(p) for p in parts),
+                   derive=getattr(record, "derive", None))
 
 
 @dataclass(slots=True)
@@ -193,6 +246,8 @@ class PairResult:
     target_stats: Stats | None = None
     diverged: bool | None = None        # None: nothing to judge by
     note: str = ""
+    request: str = ""                   # rounds paired by tokens: the request compared ("1")
+    positions: Positions | None = None  # ... and its positions; None: the whole tensors
 
     def ref(self, role: Role) -> TensorRef:
         """The tensor of one side."""
@@ -201,6 +256,24 @@ class PairResult:
     def stats(self, role: Role) -> Stats | None:
         """The statistics of one side."""
         return self.golden_stats if role == Role.GOLDEN else self.target_stats
+
+    def round_cell(self, role: Role) -> str:
+        """The round of one side as the result table shows it: `3`, or `3[req 1, pos 0-6]`
+        when that side's tensor was cut to the request's tokens."""
+        ref = self.ref(role)
+        if ref.cut is None or not self.request:
+            return str(ref.round_index)
+        return f"{ref.round_index}[req {self.request}, pos {self.positions}]"
+
+    def rounds_text(self) -> str:
+        """Where the pair was compared: the target's round, or both sides' rounds (golden
+        first) with the request's tokens when rounds were paired by tokens."""
+        if not self.request:
+            return str(self.target.round_index)
+        text = f"{self.round_cell(Role.GOLDEN)} ~ {self.round_cell(Role.TARGET)}"
+        if self.golden.cut is None and self.target.cut is None:
+            text += f" (req {self.request}, pos {self.positions})"
+        return text
 
     @property
     def order(self) -> int:
@@ -247,6 +320,8 @@ class UnmatchedKind(StrEnum):
     ROUND = "round"
     OP = "op"                    # an op and its subtree
     TENSOR = "tensor"
+    REQUEST = "request"          # rounds paired by tokens: a request the other run never ran
+    TOKENS = "tokens"            # ... positions of a request the other run never ran
 
     @property
     def reason(self) -> str:
@@ -260,6 +335,9 @@ _UNMATCHED_REASONS = {
     UnmatchedKind.OP: "no op of the other dump pairs with it (by ID, name, map, or order and "
                       "output shapes)",
     UnmatchedKind.TENSOR: "its op is paired, but no tensor of the other op pairs with it",
+    UnmatchedKind.REQUEST: "the other run never ran a request of this prompt",
+    UnmatchedKind.TOKENS: "the other run never ran these positions of the request, or the "
+                          "request's prompt is not known",
 }
 
 

@@ -25,7 +25,7 @@ from typing import Iterable
 
 from ..statcsv import is_empty_shape
 from . import StrEnum
-from .comparison import PairMode, PairResult, Thresholds
+from .comparison import PairMode, PairResult, Positions, Thresholds
 
 
 def crosses(row: PairResult, th: Thresholds) -> bool | None:
@@ -128,6 +128,8 @@ class Finding:
     unjudged_before: int = 0     # how many ops before it could not be judged
     first_op: bool = False       # no compared op of its round finished before it
     then_clean: Finding | None = None  # UNKNOWN: the first later crossing op, inputs clean
+    request: str = ""            # rounds paired by tokens: the request whose tokens crossed
+    positions: Positions | None = None   # ... and their positions
 
     @property
     def inputs_clean(self) -> bool:
@@ -154,7 +156,7 @@ class Finding:
 
     def summary(self) -> str:
         """One line for the console and the report."""
-        where = f"round {self.round_index}, {self.where()} ({_own_name(self.row)})"
+        where = f"round {self.row.rounds_text()}, {self.where()} ({_own_name(self.row)})"
         if self.inputs == InputState.CLEAN:
             return f"first divergence: {where}: {self.metric()}; {self.caveat()}"
         return f"first crossing op: {where}: {self.metric()}; {self.caveat()}"
@@ -175,7 +177,7 @@ class Finding:
             if self.then_clean is not None:
                 c = self.then_clean
                 text += (f"; the first later crossing op whose inputs all match is "
-                         f"round {c.round_index}, {c.where()}")
+                         f"round {c.row.rounds_text()}, {c.where()}")
             return text
         text = "its inputs already differ"
         if self.unjudged is not None:
@@ -207,6 +209,8 @@ class OpRows:
     inputs: list[PairResult]
     outputs: list[PairResult]
     done: int | None = None      # its position, when it has no rows to tell it
+    request: str = ""            # rounds paired by tokens: the request compared
+    positions: Positions | None = None   # ... and its positions
 
     @property
     def finished(self) -> tuple[int, int]:
@@ -268,14 +272,15 @@ def judge(ops: Iterable[OpRows]) -> Verdict:
         state, unknown_input = op.input_state()
         if state == InputState.CLEAN:
             clean = Finding(op.round_index, op.op_path, op.golden_op_path, bad_out[0], state,
-                            bad_out[0].order)
+                            bad_out[0].order, request=op.request, positions=op.positions)
             continue
         if (unknown if state == InputState.UNKNOWN else crossing) is not None:
             continue
         finding = Finding(op.round_index, op.op_path, op.golden_op_path, bad_out[0], state,
                           bad_out[0].order, unknown_input=unknown_input,
                           unjudged=unjudged[-1] if unjudged else None,
-                          unjudged_before=len(unjudged), first_op=first_op)
+                          unjudged_before=len(unjudged), first_op=first_op,
+                          request=op.request, positions=op.positions)
         if state == InputState.UNKNOWN:
             unknown = finding
         else:

@@ -32,7 +32,9 @@ from ..config import Task
 from ..layout import Side
 from ..naming import is_uninitialized
 from ..statcsv import COLUMNS, NA, Stats, parse_stats, shape_cell
+from ..tokens import TokenLayout
 from . import StrEnum
+from .tokens import read_layout, read_request_stats
 
 
 class DumpError(Exception):
@@ -174,6 +176,21 @@ class Round:
         if os.path.isfile(self.csv_path):
             return self._from_csv()
         return self._from_folders()
+
+    @cached_property
+    def tokens(self) -> TokenLayout | None:
+        """The round's token layout (tokens.json), None when it has none; `tokens.LayoutError`
+        when it cannot be read."""
+        return read_layout(self.path)
+
+    @cached_property
+    def _request_stats(self) -> dict[tuple[str, str, str, str], Stats]:
+        return read_request_stats(self.path)
+
+    def request_stats(self, record: TensorRecord, request: str) -> Stats | None:
+        """A tensor's statistics over one request's tokens (request_statistic.csv: `request`
+        as tokens.json names it); None when the round has none for it."""
+        return self._request_stats.get((record.op_id, str(record.io), record.index, request))
 
     def uninitialized(self, op_path: str) -> frozenset:
         """The output names an op's op_param.json marks as uninitialised memory."""

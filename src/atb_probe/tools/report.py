@@ -121,17 +121,26 @@ def _summary(result: CompareResult) -> str:
 
 
 def _plots(result) -> str:
-    rounds: dict[int, list[PairResult]] = {}
+    # One plot per round, or per round slice when rounds were paired by tokens (a tensor
+    # compared whole goes with the slice it was compared in: the rows before it).
+    rounds: dict[tuple, list[PairResult]] = {}
+    titles: dict[tuple, str] = {}
+    key = None
     for row in result.rows:
+        if row.request or key is None or key[0] != row.round_index:
+            key = (row.round_index, row.request, row.positions)
         if row.io == Side.OUTPUT:
-            rounds.setdefault(row.round_index, []).append(row)
+            rounds.setdefault(key, []).append(row)
+            if row.request or key not in titles:
+                titles[key] = row.rounds_text()
     if not rounds:
         return ""
     keys = list(rounds)
     chosen = keys[:MAX_PLOTS]
     f = result.finding
-    if f is not None and f.round_index in rounds and f.round_index not in chosen:
-        chosen.append(f.round_index)
+    found = None if f is None else (f.round_index, f.request, f.positions)
+    if found in rounds and found not in chosen:
+        chosen.append(found)
     flagged = _flagged(result)
     out = ["<h2>Error along execution order</h2>",
            "<p>Relative error of each output (log scale): ‖target − golden‖ / ‖golden‖, or the "
@@ -140,9 +149,8 @@ def _plots(result) -> str:
            "line; a ? at the top marks an output without metrics (not judged). Hover a point "
            "for its name.</p>"]
     for key in chosen:
-        out.append(f"<h3>round {_escape(key)}</h3>")
-        out.append(_svg(rounds[key], f if f is not None and f.round_index == key else None,
-                        flagged))
+        out.append(f"<h3>round {_escape(titles[key])}</h3>")
+        out.append(_svg(rounds[key], f if key == found else None, flagged))
     if len(keys) > len(chosen):
         out.append(f"<p>{len(keys) - len(chosen)} more round(s) not plotted; see the table.</p>")
     return "\n".join(out)

@@ -40,6 +40,7 @@ class CompareResult:
     scan: list[RoundScan] = field(default_factory=list)   # of each side's compared rounds
     jobs: int = 1
     unjudged: list[Unjudged] = field(default_factory=list)   # ops whose outputs have no metrics
+    pairing: str = "by round number"          # how rounds were paired (align.RoundPairing)
     conventions: str = ""                      # the op map in force: `vLLM against ... (built in)`
     ranks: JoinedRanks | None = None           # one side's ranks joined into one
 
@@ -67,6 +68,7 @@ class CompareResult:
                        str(len(self.ranks.undecided)))]
         return lines + [
             ("rounds compared", rounds or "none"),
+            ("rounds paired", self.pairing),
             ("tensors compared", str(len(self.rows))),
             ("tensor mode", str(c.tensor)), ("statistics mode", str(c.statistics)),
             ("no data", str(c.no_data)), ("crossing the thresholds", str(c.crossing)),

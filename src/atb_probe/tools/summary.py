@@ -42,6 +42,7 @@ def summary_doc(result: CompareResult) -> dict:
                                                        if u.expected)},
         "thresholds": asdict(result.thresholds),
         "rounds": [{"golden": r.golden, "target": r.target} for r in result.rounds],
+        "rounds_paired": result.pairing,
         "unjudged": [_unjudged(u) for u in result.unjudged],
         "unmatched": _unmatched_groups(result.unmatched),
         "ranks_joined": None if result.ranks is None else {
@@ -67,8 +68,9 @@ def _finding(f: Finding | None, result: CompareResult) -> dict | None:
         "inputs": str(f.inputs),
         "golden": _side(row, Role.GOLDEN),
         "target": _side(row, Role.TARGET),
-        "request": None,     # not known from rounds paired by number
-        "token": None,
+        "request": f.request or None,    # rounds paired by number do not say
+        "token": None if f.positions is None else
+        {"first": f.positions.start, "last": f.positions.stop - 1},
         "compare_mode": str(row.mode),
         "match": str(row.match),
         "metric": None if crossed is None else str(crossed.metric),
