@@ -28,17 +28,25 @@ _TOKENIZER_TEXT = ("the quick brown fox jumps over the lazy dog. a probe dumps e
                    "eight nine ten. ")
 
 
+# The families `save_llama` can write: (config class, model class) in transformers.
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+
+
 def save_llama(folder, layers: int = 2, hidden: int = 128, vocab: int = 512, seed: int = 0,
-               intermediate: int | None = None):
-    """Save a random-weight Llama as a checkpoint folder (`save_pretrained`: config.json,
-    safetensors weights) with a byte-level BPE tokenizer trained here and a chat template, so
-    that a serving engine (`vllm serve DIR`) loads it with no model hub. Head size 64, which
-    every vLLM attention backend takes. Returns the folder."""
+               intermediate: int | None = None, family: str = "llama"):
+    """Save a random-weight Llama (or another decoder-only family of `FAMILIES`) as a
+    checkpoint folder (`save_pretrained`: config.json, safetensors weights) with a byte-level
+    BPE tokenizer trained here and a chat template, so that a serving engine (`vllm serve DIR`)
+    loads it with no model hub. Head size 64, which every vLLM attention backend takes.
+    Returns the folder."""
     import os
 
     import torch
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+    config_class, model_class = (getattr(transformers, name) for name in FAMILIES[family])
     os.makedirs(folder, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -51,12 +59,12 @@ def save_llama(folder, layers: int = 2, hidden: int = 128, vocab: int = 512, see
                           "{% endfor %}assistant:")
     fast.save_pretrained(folder)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden,
-                         intermediate_size=intermediate or hidden * 2,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=1, max_position_embeddings=512, bos_token_id=0,
-                         eos_token_id=1, torch_dtype="float32")
-    LlamaForCausalLM(config).save_pretrained(folder)
+    config = config_class(vocab_size=vocab, hidden_size=hidden,
+                          intermediate_size=intermediate or hidden * 2,
+                          num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                          num_key_value_heads=1, max_position_embeddings=512, bos_token_id=0,
+                          eos_token_id=1, torch_dtype="float32", tie_word_embeddings=False)
+    model_class(config).save_pretrained(folder)
     return folder
 
 
