@@ -5,19 +5,15 @@ through the built-in map, compares every decoder layer element by element, and n
 perturbed MLP weight's layer and module."""
 from __future__ import annotations
 
-import json
 import re
-import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from harness import config, loaded, run_shell, terminal  # noqa: E402
-from vllm_harness import (HERE, engine_env, offline, probe_cli, tiny_model,  # noqa: E402
-                          vllm_cache, wait_complete)
+from harness import config  # noqa: E402
+from vllm_harness import (perturbed_copy, probe_cli, tiny_model, transformers_golden,  # noqa: E402
+                          vllm_cache, vllm_target)
 
 from atb_probe.tools.compare import compare_dumps  # noqa: E402
 
@@ -26,56 +22,20 @@ __all__ = ["tiny_model", "vllm_cache"]  # fixtures
 # machine.
 pytestmark = pytest.mark.timeout(1800)
 
-GOLDEN_SCRIPT = HERE / "hf_generate.py"
 DUMP = config(task="tensor", save_child=True)
 PERTURBED = "model.layers.1.mlp.down_proj.weight"
-
-
-def golden(tmp: Path, model: Path) -> list[list[int]]:
-    """`transformers` generate of one prompt through the load script: its tokens."""
-    (tmp / "config.json").write_text(json.dumps(DUMP))
-    command = loaded(terminal(sys.executable, GOLDEN_SCRIPT, model, "--prompts", 1), tmp,
-                     tmp / "config.json")
-    result = run_shell(command, tmp, engine_env(tmp / "cache"), timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    wait_complete(tmp / "atb_dump_data")
-    line = [x for x in result.stdout.splitlines() if x.startswith("TOKENS ")][-1]
-    return json.loads(line[len("TOKENS "):])
-
-
-def target(tmp: Path, model: Path, cache: Path) -> list[list[int]]:
-    """vLLM offline generate (enforce_eager) of the same prompt through the load script."""
-    (tmp / "config.json").write_text(json.dumps(DUMP))
-    tokens, _ = offline(tmp, model, cache, eager=True, prompts=1)
-    wait_complete(tmp / "atb_dump_data")
-    return tokens
-
-
-def perturb(model: Path, folder: Path, name: str, scale: float = 0.01) -> Path:
-    """A copy of the checkpoint with noise of `scale` times the weight's spread added to one
-    weight."""
-    import torch
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(model, folder)
-    path = folder / "model.safetensors"
-    weights = load_file(path)
-    w = weights[name]
-    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * w.std() * scale
-    weights[name] = (w + noise).contiguous()
-    save_file(weights, path, metadata={"format": "pt"})
-    return folder
 
 
 @pytest.fixture(scope="module")
 def golden_dump(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("golden")
-    return tmp / "atb_dump_data", golden(tmp, tiny_model)
+    return tmp / "atb_dump_data", transformers_golden(tmp, tiny_model, DUMP)
 
 
 @pytest.fixture(scope="module")
 def target_dump(tmp_path_factory, tiny_model, vllm_cache):
     tmp = tmp_path_factory.mktemp("target")
-    return tmp / "atb_dump_data", target(tmp, tiny_model, vllm_cache)
+    return tmp / "atb_dump_data", vllm_target(tmp, tiny_model, vllm_cache, DUMP)
 
 
 def decoder_layer_rows(result) -> list:
@@ -117,8 +77,8 @@ def test_same_weights_compare_with_no_flags_finds_no_divergence_in_any_layer(
 def test_a_perturbed_mlp_weight_is_named_with_its_layer_and_module(
         golden_dump, tiny_model, vllm_cache, tmp_path):
     g_root, g_tokens = golden_dump
-    model = perturb(tiny_model, tmp_path / "model", PERTURBED)
-    tokens = target(tmp_path, model, vllm_cache)
+    model = perturbed_copy(tiny_model, tmp_path / "model", PERTURBED, 0.01)
+    tokens = vllm_target(tmp_path, model, vllm_cache, DUMP)
     assert tokens == g_tokens  # a subtle change: the answer is the same
     shown = probe_cli("compare", str(g_root), str(tmp_path / "atb_dump_data"), "-o",
                       str(tmp_path / "cmp"))

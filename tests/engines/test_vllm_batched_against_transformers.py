@@ -9,17 +9,15 @@ inside it) whose weight was perturbed in the target checkpoint, in tensor and in
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from harness import config, loaded, run_shell, terminal  # noqa: E402
-from vllm_harness import HERE, engine_env, offline, probe_cli, vllm_cache  # noqa: E402
-from vllm_harness import wait_complete  # noqa: E402
+from harness import config  # noqa: E402
+from vllm_harness import (perturbed_copy, probe_cli, transformers_golden, vllm_cache,  # noqa: E402
+                          vllm_target)
 
 from atb_probe.tools.compare import compare_dumps  # noqa: E402
 
@@ -30,48 +28,13 @@ pytestmark = pytest.mark.timeout(2400)
 
 PROMPTS = 3
 TOKENS = 3
+RUN = {"prompts": PROMPTS, "tokens": TOKENS}
 DUMP = config(task="all", save_child=True)
 # Layer 1's MLP output projection: vLLM's `2_<Layer>/3_<MLP>/2_RowParallelLinear`, the golden's
 # `3_<Layer>/4_<MLP>/4_Linear` (the golden's rotary embedding is layer-level op 1).
 PERTURBED = "model.layers.1.mlp.down_proj.weight"
 LAYERS = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
 MLP = {"llama": "LlamaMLP", "qwen2": "Qwen2MLP"}
-
-
-def golden(tmp: Path, model: Path) -> list[list[int]]:
-    """`transformers` generate of each prompt in turn, through the load script: the tokens."""
-    (tmp / "config.json").write_text(json.dumps(DUMP))
-    command = loaded(terminal(sys.executable, HERE / "hf_generate.py", model, "--prompts",
-                              PROMPTS, "--tokens", TOKENS), tmp, tmp / "config.json")
-    result = run_shell(command, tmp, engine_env(tmp / "cache"), timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    wait_complete(tmp / "atb_dump_data")
-    line = [x for x in result.stdout.splitlines() if x.startswith("TOKENS ")][-1]
-    return json.loads(line[len("TOKENS "):])
-
-
-def target(tmp: Path, model: Path, cache: Path) -> list[list[int]]:
-    """vLLM offline generate (enforce_eager) of all the prompts at once, through the load
-    script: the tokens."""
-    (tmp / "config.json").write_text(json.dumps(DUMP))
-    tokens, _ = offline(tmp, model, cache, eager=True, prompts=PROMPTS, tokens=TOKENS)
-    wait_complete(tmp / "atb_dump_data")
-    return tokens
-
-
-def perturbed(model: Path, folder: Path, scale: float = 0.5) -> Path:
-    """A copy of the checkpoint with noise of `scale` times its spread added to PERTURBED:
-    enough to move the MLP output's norm by several percent."""
-    import torch
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(model, folder)
-    path = folder / "model.safetensors"
-    weights = load_file(path)
-    w = weights[PERTURBED]
-    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * w.std() * scale
-    weights[PERTURBED] = (w + noise).contiguous()
-    save_file(weights, path, metadata={"format": "pt"})
-    return folder
 
 
 @pytest.fixture(scope="module", params=sorted(LAYERS))
@@ -81,11 +44,15 @@ def runs(request, tmp_path_factory, vllm_cache):
     family = request.param
     model = save_llama(tmp_path_factory.mktemp(f"{family}-model"), family=family)
     g = tmp_path_factory.mktemp(f"{family}-golden")
-    g_tokens = golden(g, model)
+    g_tokens = transformers_golden(g, model, DUMP, **RUN)
     clean = tmp_path_factory.mktemp(f"{family}-clean")
-    assert target(clean, model, vllm_cache) == g_tokens   # the same answers, batched or not
+    # The same answers, batched or not.
+    assert vllm_target(clean, model, vllm_cache, DUMP, **RUN) == g_tokens
     bad = tmp_path_factory.mktemp(f"{family}-perturbed")
-    target(bad, perturbed(model, bad / "model"), vllm_cache)
+    # Noise of half the weight's spread: enough to move the MLP output's norm by several
+    # percent, which statistics mode sees.
+    vllm_target(bad, perturbed_copy(model, bad / "model", PERTURBED, 0.5), vllm_cache, DUMP,
+                **RUN)
     return family, g / "atb_dump_data", clean / "atb_dump_data", bad / "atb_dump_data"
 
 

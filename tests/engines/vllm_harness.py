@@ -52,6 +52,47 @@ def offline(tmp: Path, model: Path, cache: Path, *, eager: bool, probe: bool = T
     return json.loads(lines[-1][len("TOKENS "):]), result.stderr
 
 
+def transformers_golden(tmp: Path, model: Path, cfg: dict, *, prompts: int = 1,
+                        tokens: int = 4) -> list[list[int]]:
+    """`transformers` greedy generate of each prompt in turn (hf_generate.py), through the load
+    script with `cfg` as tmp/config.json, once its data is on disk: the generated token ids."""
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    command = loaded(terminal(sys.executable, HERE / "hf_generate.py", model, "--prompts",
+                              prompts, "--tokens", tokens), tmp, tmp / "config.json")
+    result = run_shell(command, tmp, engine_env(tmp / "cache"), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    wait_complete(tmp / "atb_dump_data")
+    line = [x for x in result.stdout.splitlines() if x.startswith("TOKENS ")][-1]
+    return json.loads(line[len("TOKENS "):])
+
+
+def vllm_target(tmp: Path, model: Path, cache: Path, cfg: dict, *, prompts: int = 1,
+                tokens: int = 4) -> list[list[int]]:
+    """vLLM offline generate (enforce_eager) of all the prompts at once, through the load
+    script with `cfg`, once its data is on disk: the generated token ids."""
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    out, _ = offline(tmp, model, cache, eager=True, prompts=prompts, tokens=tokens)
+    wait_complete(tmp / "atb_dump_data")
+    return out
+
+
+def perturbed_copy(model: Path, folder: Path, name: str, scale: float) -> Path:
+    """A copy of the checkpoint `model` in `folder` with noise of `scale` times the weight's
+    spread added to the weight `name`."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(model, folder)
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    w = weights[name]
+    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * w.std() * scale
+    weights[name] = (w + noise).contiguous()
+    save_file(weights, path, metadata={"format": "pt"})
+    return folder
+
+
 def worker_dir(root: Path) -> Path:
     """The one `<dev>_<pid>` data folder of a dump: only vLLM's worker dumps."""
     procs = list((root / "data").iterdir())
