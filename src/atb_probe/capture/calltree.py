@@ -239,6 +239,11 @@ class Engine:
         patched."""
         return self.vllm.attached
 
+    @property
+    def runs_engine_steps(self) -> bool:
+        """Whether an engine's model runner is loaded in this process (vLLM's worker)."""
+        return self.vllm.attached
+
     def _root_is_op(self, rnd: RoundRun, module) -> bool:
         """Whether a root is a layer-level op itself rather than a container (SPEC §1, §8): a
         root with no submodule (an `nn.Linear` called as the model), or a later root of an
