@@ -318,7 +318,8 @@ class Probe:
         rewrite), round_open (a dumped round is running: more of its data is to come),
         files_skipped;
         last_error; compile_problem (why the ops inside compiled code are not dumped, with
-        what to do, or null); config (the watched file), config_in_effect (the configuration
+        what to do, or null); dtype_notice (the dtype the model runs in differs from the one
+        its checkpoint's config declares: both, or null); config (the watched file), config_in_effect (the configuration
         new rounds start under, null while there is none), config_applied_at, config_problem
         (why the file on disk is not the one in effect, or null); output; started_at,
         proc_start (to tell a reused pid), updated_at (ISO 8601 times).
@@ -347,6 +348,7 @@ class Probe:
             "files_skipped": stats.files_skipped,
             "last_error": stats.last_error or self.last_error,
             "compile_problem": self.engine.compile_notice.problem if self.engine else None,
+            "dtype_notice": self.engine.dtype_notice.message if self.engine else None,
             "config": self.config_path,
             "config_in_effect": _config_doc(config),
             "config_applied_at": self.config_applied_at,

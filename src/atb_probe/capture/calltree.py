@@ -33,6 +33,7 @@ from torch import nn
 
 from .. import log
 from ..rounds import RoundSource
+from .checkpoint import DtypeNotice
 from .frames import Below, Frame, RoundRun
 from .models import ModelCatalog, phase_of, uncompiled
 from .ops import OpWalker
@@ -83,6 +84,7 @@ class Engine:
         self.models = ModelCatalog()
         self._unmatched_warned: set = set()
         self.compile_notice = CompileNotice()
+        self.dtype_notice = DtypeNotice()
         self.steps = Steps(self)
         self.ops = OpWalker(self)
         self.vllm = VllmSteps(self)
@@ -262,6 +264,7 @@ class Engine:
         rnd.model = self.models.model(module)
         rnd.root_module = module
         rnd.phase = phase or phase_of(self.models.info(uncompiled(module)).params, args, kwargs)
+        self.dtype_notice.check(rnd.model.name, uncompiled(module))
 
     def begin_round(self, module, args, kwargs, phase: str | None = None) -> RoundRun:
         start = self.source.start_round(module, args, kwargs)
@@ -278,6 +281,8 @@ class Engine:
             info = self.models.info(uncompiled(module))
             rnd.main = info.holds_blocks
             rnd.phase = phase or phase_of(info.params, args, kwargs)
+            if rnd.main:
+                self.dtype_notice.check(model.name, uncompiled(module))
             if model.compiled or _dynamo_compiled():
                 self.compile_notice.say()
         return rnd
