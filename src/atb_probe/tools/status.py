@@ -201,7 +201,7 @@ def verdict(docs: list[dict]) -> Verdict:
                      f"({', '.join(d['name'] for d in cut)}): their last round may be partial")
     if len(died) > len(cut):
         parts.append(f"{len(died) - len(cut)} process(es) were killed between rounds, "
-                     "after their data was on disk")
+                     "after their data was on disk: nothing of theirs is missing")
     errors = [d for d in docs if d.get("last_error")]
     if errors:
         parts.append(f"{len(errors)} process(es) reported an error")
