@@ -304,8 +304,9 @@ class Probe:
         """The status document, `atb_dump_data/status/<dev>_<pid>.json` (SPEC §4).
 
         pid, device; role ("worker": a model runs here; "engine": an engine's process that runs
-        no model; "no model": none has run here yet); state "sleeping" | "dumping" | "awake" (the
-        config says dump but the process runs no model) ("exited" in the final document);
+        no model; "no model": none has run here while awake); state "sleeping" | "dumping" |
+        "awake" (the config says dump but the process runs no model) ("exited" in the final
+        document);
         device_selected (while dumping: whether the config's `device` list lets this process
         dump at all, else null); exited (true once the probe closed: every file is written or
         `last_error` says what was not); rounds_started
@@ -319,8 +320,9 @@ class Probe:
         files_skipped;
         last_error; compile_problem (why the ops inside compiled code are not dumped, with
         what to do, or null); dtype_notice (the dtype the model runs in differs from the one
-        its checkpoint's config declares: both, or null); config (the watched file), config_in_effect (the configuration
-        new rounds start under, null while there is none), config_applied_at, config_problem
+        its checkpoint's config declares: both, or null); config (the watched file),
+        config_in_effect (the configuration new rounds start under, null while there is none),
+        config_applied_at, config_problem
         (why the file on disk is not the one in effect, or null); output; started_at,
         proc_start (to tell a reused pid), updated_at (ISO 8601 times).
         """

@@ -21,7 +21,7 @@ class Role(StrEnum):
 
     WORKER = "worker"       # runs the model: it has started rounds, or holds an engine's runner
     ENGINE = "engine"       # an engine's process that runs no model (vLLM's API server, core)
-    NO_MODEL = "no model"   # loaded the probe; no model has run under it (yet)
+    NO_MODEL = "no model"   # no model has run here while the probe was awake
 
 
 def role_of(runs_model: bool) -> Role:

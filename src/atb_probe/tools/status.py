@@ -56,7 +56,7 @@ EXIT_CODES = """exit status:
 
 roles: worker (a model runs in this process: its rounds are the dump), engine (a serving
 engine's process that runs no model, such as vLLM's API server and engine core), no model
-(no model has run in this process yet)
+(no model has run in this process while the probe was awake)
 
 example: atb-probe status --wait 60 --since 10m $PWD"""
 
