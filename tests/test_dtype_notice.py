@@ -35,3 +35,4 @@ def test_a_model_running_in_another_dtype_than_its_checkpoint_says_so_once(tmp_p
     assert "runs in bfloat16" in lines[0] and "torch_dtype float32" in lines[0]
     assert "LlamaForCausalLM" in lines[0]
     assert notice and notice in lines[0]
+    assert "deprecated" not in result.stderr  # the config is read without its old alias

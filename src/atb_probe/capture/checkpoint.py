@@ -49,15 +49,14 @@ class DtypeNotice:
 def _declared_dtype(root: nn.Module) -> str | None:
     """The dtype the model's config declares (`torch_dtype`, or `dtype` in newer
     transformers), as a torch dtype name, or None."""
-    config = getattr(root, "config", None)
-    if config is None:
+    # From the instance's own attributes: newer transformers keep `dtype` there, and reading
+    # its `torch_dtype` property would print a deprecation warning in the user's program.
+    try:
+        attrs = vars(getattr(root, "config", None))
+    except TypeError:
         return None
-    for key in ("torch_dtype", "dtype"):
-        try:
-            value = getattr(config, key, None)
-        except Exception:
-            continue
-        name = _dtype_name(value)
+    for key in ("dtype", "torch_dtype"):
+        name = _dtype_name(attrs.get(key))
         if name is not None:
             return name
     return None
