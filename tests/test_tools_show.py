@@ -60,11 +60,30 @@ def test_show_prints_processes_rounds_layers_and_ops_with_counts(llama_dump, cap
     proc = only_proc(llama_dump)
     rows0 = read_csv(proc / "0" / "statistic.csv")
     assert proc.name in out
-    assert f"round 0  model=LlamaForCausalLM  task=all  {len(rows0)} tensors" in out
+    assert f"round 0  model=LlamaForCausalLM  phase=Prefill  task=all  {len(rows0)} tensors" \
+        in out
     assert f"2_LlamaDecoderLayer (model.layers.0)  {len(rows0)} tensors" in out
     assert "1_LlamaAttention (model.layers.0.self_attn)" in out  # depth 2: the layer's children
     assert "0_Linear" not in out                 # depth 3 is not shown
     assert "op(s) below" in out
+
+
+def test_show_gives_each_rounds_phase_from_the_model_files(llama_dump, capsys):
+    assert cli.main(["show", str(llama_dump), "--depth", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "round 0 model=LlamaForCausalLM phase=Prefill task=all" in out
+    assert "round 1 model=LlamaForCausalLM phase=Decoder task=all" in out
+
+
+def test_show_of_a_statistics_dump_counts_rows_not_bytes(tmp_path, capsys):
+    model = tiny_llama()
+    root = dump(tmp_path, config(task="statistics", exec_range="0,0"),
+                lambda: generate(model, prompt_len=4, new_tokens=1))
+    rows = read_csv(only_proc(root) / "0" / "statistic.csv")
+    assert cli.main(["show", str(root), "--depth", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert f"phase=Prefill task=statistics {len(rows)} rows" in out
+    assert "0 B" not in out and "tensors" not in out
 
 
 def test_show_csv_merges_every_statistic_csv_into_one_table(llama_dump, tmp_path, capsys):

@@ -34,6 +34,7 @@ from .config import DumpConfig, parse_config
 from .process import hooks
 from .process.configwatch import ConfigWatcher
 from .process.identity import local_rank, proc_start
+from .process.role import Role, role_of
 from .process.statusfile import StatusFile, utc_now
 from .record.safefs import SafeTree
 from .record.writer import Writer
@@ -82,6 +83,8 @@ class Probe:
         self.rounds_dumped = 0     # selected rounds that wrote data
         self.rounds_empty = 0      # selected rounds that wrote nothing (no op matched)
         self.rounds_started = 0
+        self.config_rounds = 0     # selected rounds begun under the config in effect
+        self.ran_model = False     # a model ran here: this process is a worker for good
         self.started_at = utc_now()
         self.proc_start = proc_start(self.pid)
         self.status_file = StatusFile(self.tree, lambda: (self.devpid, self.status()),
@@ -196,6 +199,7 @@ class Probe:
             return
         self.selection = Selection(config) if config is not None else None
         self.config = config
+        self.config_rounds = 0
         self.config_applied_at = utc_now()
         if config is not None and config.dump_enable:
             device = self.device if self.device is not None else local_rank()
@@ -240,6 +244,8 @@ class Probe:
         device = self.decide_device(module, args, kwargs)
         dumping = selection is not None and selection.round_selected(index, device) \
             and not self.writer.failed
+        if dumping:
+            self.config_rounds += 1
         return RoundStart(index, selection, self.devpid, dumping)
 
     def next_round(self) -> int:
@@ -297,20 +303,26 @@ class Probe:
     def status(self) -> dict:
         """The status document, `atb_dump_data/status/<dev>_<pid>.json` (SPEC §4).
 
-        pid, device; state "sleeping" | "dumping" ("exited" in the final document);
+        pid, device; role ("worker": a model runs here; "engine": an engine's process that runs
+        no model; "no model": none has run here while awake); state "sleeping" | "dumping" |
+        "awake" (the config says dump but the process runs no model) ("exited" in the final
+        document);
         device_selected (while dumping: whether the config's `device` list lets this process
         dump at all, else null); exited (true once the probe closed: every file is written or
         `last_error` says what was not); rounds_started
         (root calls seen since the probe first woke: the number the next round gets),
         rounds_dumped (selected rounds that wrote data), rounds_empty (selected rounds that wrote
-        nothing: no op matched `ids` / `op_name`);
+        nothing: no op matched `ids` / `op_name`), config_rounds (selected rounds begun under
+        the config in effect);
         files_written, bytes_written, bytes_queued (accepted, not yet on disk),
         model_files_pending (model files whose latest rounds wait for their once-a-second
         rewrite), round_open (a dumped round is running: more of its data is to come),
         files_skipped;
         last_error; compile_problem (why the ops inside compiled code are not dumped, with
-        what to do, or null); config (the watched file), config_in_effect (the configuration
-        new rounds start under, null while there is none), config_applied_at, config_problem
+        what to do, or null); dtype_notice (the dtype the model runs in differs from the one
+        its checkpoint's config declares: both, or null); config (the watched file),
+        config_in_effect (the configuration new rounds start under, null while there is none),
+        config_applied_at, config_problem
         (why the file on disk is not the one in effect, or null); output; started_at,
         proc_start (to tell a reused pid), updated_at (ISO 8601 times).
         """
@@ -318,15 +330,18 @@ class Probe:
         config = self.config
         awake = config is not None and config.dump_enable
         device = self.device if self.device is not None else local_rank()
+        role = self.role()
         return {
             "pid": self.pid,
             "device": device,
-            "state": "dumping" if awake else "sleeping",
+            "role": role,
+            "state": ("awake" if role is Role.ENGINE else "dumping") if awake else "sleeping",
             "device_selected": (not config.device or device in config.device) if awake else None,
             "exited": False,
             "rounds_started": self.rounds_started,
             "rounds_dumped": self.rounds_dumped,
             "rounds_empty": self.rounds_empty,
+            "config_rounds": self.config_rounds,
             "files_written": stats.files_written,
             "bytes_written": stats.bytes_written,
             "bytes_queued": max(0, stats.bytes_queued),
@@ -335,6 +350,7 @@ class Probe:
             "files_skipped": stats.files_skipped,
             "last_error": stats.last_error or self.last_error,
             "compile_problem": self.engine.compile_notice.problem if self.engine else None,
+            "dtype_notice": self.engine.dtype_notice.message if self.engine else None,
             "config": self.config_path,
             "config_in_effect": _config_doc(config),
             "config_applied_at": self.config_applied_at,
@@ -343,6 +359,14 @@ class Probe:
             "started_at": self.started_at,
             "proc_start": self.proc_start,
         }
+
+    def role(self) -> Role:
+        """What this process is in the run: a worker once a model has run here (or an engine's
+        model runner is loaded), else an engine's other process, else one with no model yet."""
+        if not self.ran_model:
+            self.ran_model = bool(self.rounds_started) or \
+                bool(self.engine is not None and self.engine.runs_engine_steps)
+        return role_of(self.ran_model)
 
     def write_status(self, final: bool = False) -> None:
         """Rewrite the status file (atomically) if anything in it changed."""

@@ -33,6 +33,7 @@ from torch import nn
 
 from .. import log
 from ..rounds import RoundSource
+from .checkpoint import DtypeNotice
 from .frames import Below, Frame, RoundRun
 from .models import ModelCatalog, phase_of, uncompiled
 from .ops import OpWalker
@@ -85,6 +86,7 @@ class Engine:
         self.models = ModelCatalog()
         self._unmatched_warned: set = set()
         self.compile_notice = CompileNotice()
+        self.dtype_notice = DtypeNotice()
         self.steps = Steps(self)
         self.ops = OpWalker(self)
         self.vllm = VllmSteps(self)
@@ -242,6 +244,11 @@ class Engine:
         patched."""
         return self.vllm.attached
 
+    @property
+    def runs_engine_steps(self) -> bool:
+        """Whether an engine's model runner is loaded in this process (vLLM's worker)."""
+        return self.vllm.attached
+
     def _root_is_op(self, rnd: RoundRun, module) -> bool:
         """Whether a root is a layer-level op itself rather than a container (SPEC §1, §8): a
         root with no submodule (an `nn.Linear` called as the model), or a later root of an
@@ -260,6 +267,7 @@ class Engine:
         rnd.model = self.models.model(module)
         rnd.root_module = module
         rnd.phase = phase or phase_of(self.models.info(uncompiled(module)).params, args, kwargs)
+        self.dtype_notice.check(rnd.model.name, uncompiled(module))
 
     def begin_round(self, module, args, kwargs, phase: str | None = None,
                     tokens=None) -> RoundRun:
@@ -285,6 +293,8 @@ class Engine:
             if tokens is None:
                 tokens = self._call_tokens(model, info, args, kwargs)
             self.recorder.set_tokens(rnd, tokens)
+            if rnd.main:
+                self.dtype_notice.check(model.name, uncompiled(module))
             if model.compiled or _dynamo_compiled():
                 self.compile_notice.say()
         return rnd

@@ -6,7 +6,12 @@ enabled, disabled and enabled again is flushed by SIGTERM like the first one was
 probe is neither kept alive nor touched again.
 
 - exit: one `atexit` function closes the open probes (each flushes what it has queued, bounded
-  by `exit_timeout()`).
+  by `exit_timeout()`). A `multiprocessing` child never runs `atexit`: it leaves through
+  `os._exit` once its target returns (or raises, as vLLM's engine core and workers do on
+  SIGTERM). It does run the finalizers of `multiprocessing.util` first, so the probes are closed
+  by one of those too. The child clears the finalizers it inherited or registered before its
+  target starts (spawn loads the probe before that), so ours is registered again then, by an
+  after-fork function of the same module.
 - SIGTERM: when the host has no handler of its own (the disposition is the default), ours
   closes the open probes and then dies of SIGTERM as the process would have. A host with its own
   handler (uvicorn, gunicorn...) exits normally, through `atexit`; uvicorn also puts this handler
@@ -48,6 +53,7 @@ def register(probe) -> None:
     if first:
         atexit.register(close_all)
         os.register_at_fork(after_in_child=_after_fork_in_child)
+        _close_at_multiprocessing_exit()
     _install_sigterm()
 
 
@@ -71,6 +77,26 @@ def close_all() -> None:
     """Close every open probe, newest first (each flushes its queue, bounded)."""
     for probe in reversed(open_probes()):
         probe.close()
+
+
+class _ChildExit:
+    """The object `multiprocessing.util.register_after_fork` holds (weakly) for our finalizer."""
+
+
+_child_exit = _ChildExit()
+
+
+def _close_at_multiprocessing_exit() -> None:
+    """Close the open probes when a multiprocessing child ends (it skips `atexit`), also after
+    the child's start clears the finalizers (spawn and fork alike)."""
+    from multiprocessing import util
+    _finalizer()
+    util.register_after_fork(_child_exit, _finalizer)
+
+
+def _finalizer(_=None) -> None:
+    from multiprocessing import util
+    util.Finalize(None, close_all, exitpriority=100)
 
 
 def _after_fork_in_child() -> None:

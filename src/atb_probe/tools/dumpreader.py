@@ -367,6 +367,7 @@ class RoundModules:
     """What a process's structure files say of one of its rounds."""
 
     model: str | None = None                      # the model's name
+    phase: str | None = None                      # Prefill, Decoder or Forward
     paths: dict[str, str] = field(default_factory=dict)   # op ID -> module path
 
     def leaf(self, op_id: str) -> str | None:
@@ -393,7 +394,9 @@ def module_paths(root: str, proc: str) -> dict[int, RoundModules]:
             paths = layer_paths[model] = {}
             for layer in _json_files(folder if os.path.isdir(folder) else layer_dir):
                 _collect_paths(layer, paths)
-        modules = RoundModules(model, dict(layer_paths[model]))
+        phase = doc.get("phase")
+        modules = RoundModules(model, phase if isinstance(phase, str) else None,
+                               dict(layer_paths[model]))
         _collect_paths({"nodes": doc.get("nodes", [])}, modules.paths)
         for pair in doc.get("rounds") or []:
             if isinstance(pair, list) and len(pair) == 2 and all(isinstance(i, int) for i in pair):

@@ -1,8 +1,10 @@
 """`atb-probe show DUMP [--depth N] [--csv [-o FILE]]`: what a dump holds.
 
 The tree goes processes → rounds → layer-level ops → their child ops (down to `--depth`), each
-with its tensor count and the bytes of its `.bin` files; every round says which task it was
-dumped with (read from its statistic.csv: `tensor`, `statistics` or `all`). `--csv` instead
+with its tensor count and the bytes of its `.bin` files (a statistics dump, which writes no
+`.bin` file, gives its statistic.csv rows instead); every round says its model and phase (from
+the model files' `rounds`) and which task it was dumped with (read from its statistic.csv:
+`tensor`, `statistics` or `all`). `--csv` instead
 merges every round's statistic.csv into one table (same columns; Device and PID and Execution
 Count tell the rows apart).
 """
@@ -63,9 +65,8 @@ def build_tree(dump, depth: int):
                 f"{total_rounds} round(s))")
     models = dump.info_files("model")
     for proc in dump.processes:
-        files, size = _sum(t for r in proc.rounds for t in r.tensors)
-        label = (f"[bold]{proc.name}[/]  {len(proc.rounds)} round(s), {files} tensors, "
-                 f"{size_text(size)}")
+        label = (f"[bold]{proc.name}[/]  {len(proc.rounds)} round(s), "
+                 f"{_amount(t for r in proc.rounds for t in r.tensors)}")
         phases = [layout.parse_info_file(os.path.basename(p))
                   for p in models.get(proc.name, [])]
         if phases:
@@ -78,13 +79,14 @@ def build_tree(dump, depth: int):
 
 def _add_round(parent, rnd: Round, depth: int, modules: RoundModules) -> None:
     from rich.markup import escape
-    files, size = _sum(rnd.tensors)
     source = "statistic.csv" if os.path.isfile(rnd.csv_path) else "no statistic.csv: folders"
     label = f"round [bold]{rnd.index}[/]"
     if modules.model:
         label += f"  model={escape(modules.model)}"
-    rnode = parent.add(f"{label}  task={rnd.task or 'unknown'}  {files} tensors, "
-                       f"{size_text(size)}  ({source})")
+    if modules.phase:
+        label += f"  phase={escape(modules.phase)}"
+    rnode = parent.add(f"{label}  task={rnd.task or 'unknown'}  {_amount(rnd.tensors)}  "
+                       f"({source})")
     for child in op_tree(rnd).children:
         _add_op(rnode, child, 1, depth, modules.paths)
 
@@ -93,12 +95,10 @@ def _add_op(parent, node: OpNode, level: int, depth: int, paths: dict[str, str])
     """One op with the totals of its subtree and its module path; its children while
     `level < depth`."""
     from rich.markup import escape
-    tensors = list(_subtree_tensors(node))
-    files, size = _sum(tensors)
     label = escape(layout.op_folder(node.own_id, node.name))
     if node.op_id in paths:
         label += f" [dim]({escape(paths[node.op_id] or '<root>')})[/]"
-    label += f"  {files} tensors, {size_text(size)}"
+    label += f"  {_amount(_subtree_tensors(node))}"
     below = node.count() - (node.op is not None)
     if below and level >= depth:
         label += f", {below} op(s) below"
@@ -115,12 +115,18 @@ def _subtree_tensors(node: OpNode):
         yield from _subtree_tensors(child)
 
 
-def _sum(tensors) -> tuple[int, int]:
-    count = size = 0
+def _amount(tensors) -> str:
+    """What was written for `tensors`: their count and the bytes of their `.bin` files, or,
+    when none has a file (a statistics dump), their count as statistic.csv rows."""
+    count = size = files = 0
     for t in tensors:
         count += 1
-        size += file_bytes(t.path)
-    return count, size
+        if t.path:
+            files += 1
+            size += file_bytes(t.path)
+    if count and not files:
+        return f"{count} rows"
+    return f"{count} tensors, {size_text(size)}"
 
 
 def _show(args) -> int:
