@@ -145,7 +145,7 @@ def test_the_guide_walkthrough_dumps_exactly_the_rounds_of_one_request(service, 
         assert [r["Shape"] for r in rows if r["Input/Output"] == "output"][0] == f"1x{seq}x32"
         assert all(os.path.getsize(r["Tensor Path"]) > 0 for r in rows)
         assert sorted(p.name for p in (proc_dir / str(index)).iterdir()) == \
-            ["2_LlamaDecoderLayer", "statistic.csv"]
+            ["2_LlamaDecoderLayer", "statistic.csv", "tokens.json"]
 
     # Back to sleep: requests are served, nothing more is counted or written.
     svc.write_config(dump_enable=False, exec_range="all", ids="2")
