@@ -279,7 +279,8 @@ def test_a_custom_op_is_replayed_once_its_module_is_imported(tmp_path):
 
     root = dump(tmp_path / "d", config(task="tensor", save_child=True),
                 lambda: Root(Twice())(torch.randn(3, 5)))
-    env = clean_env(PYTHONPATH=os.pathsep.join([os.environ["PYTHONPATH"], str(tmp_path)]))
+    env = clean_env(PYTHONPATH=os.pathsep.join(
+        p for p in (os.environ.get("PYTHONPATH"), str(tmp_path)) if p))
     replay(root, "-j", "1", "--json", tmp_path / "a.json", env=env)
     found = verdicts(tmp_path / "a.json")
     assert found["replaytest.twice.default"][:2] == ("not replayed", "op unknown here")
