@@ -123,11 +123,15 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
     round_ends = []
     whole: dict[tuple[int, int], dict[int, int]] = {}   # round pair -> tensor pair -> work
     targets = set()
+    # Target op subtrees the op map says have no counterpart (vLLM's sampler, the kernels inside
+    # a fused module): expected, not ops that could not be judged.
+    conventional = {(u.where, u.what) for u in alignment.unmatched
+                    if u.expected and u.side == Role.TARGET and u.kind == UnmatchedKind.OP}
     for rp in alignment.rounds:
         round_ends.append(len(work))
         if id(rp.target) not in targets:   # a round paired with slices of several: once
             targets.add(id(rp.target))
-            alone += _target_only(rp)
+            alone += _target_only(rp, conventional)
         once = whole.setdefault((id(rp.golden), id(rp.target)), {})
         request, positions = (rp.tokens.label, rp.tokens.positions) if rp.tokens else ("", None)
         for op in rp.ops:
@@ -247,12 +251,21 @@ def _cut(ref: TensorRef, record, side: SideSlice) -> tuple[bool, str]:
     return True, "" if ref.stats is not None else why
 
 
-def _target_only(rp: RoundPair) -> list[OpRows]:
-    """The ops of a round pair's target that no golden op was paired with, where they ran."""
+def _target_only(rp: RoundPair, conventional: set[tuple[str, str]]) -> list[OpRows]:
+    """The ops of a round pair's target that no golden op was paired with, where they ran,
+    but for those in a subtree the op map says has no counterpart (`conventional`: (where,
+    op path) of such subtrees)."""
     paired = {op.target.op_path for op in rp.ops}
+    where = rp.target.where
+
+    def expected(path: str) -> bool:
+        parts = path.split("/")
+        return any((where, "/".join(parts[:k])) in conventional
+                   for k in range(1, len(parts) + 1))
+
     return [OpRows(rp.target.index, op.op_path, "", [], [],
                    done=min(t.order for t in (op.outputs or op.tensors)))
-            for op in rp.target.ops if op.op_path not in paired]
+            for op in rp.target.ops if op.op_path not in paired and not expected(op.op_path)]
 
 
 def run_pairs(work: list[RefPair], mode: CompareMode, jobs: int = 1, progress=None,
