@@ -460,13 +460,15 @@ def _decide(result: KernelResult) -> None:
 
 # -- which kernels -------------------------------------------------------------------------
 
-def kernel_jobs(target: Dump, golden: Dump | None = None) -> list[KernelJob]:
+def kernel_jobs(target: Dump, golden: Dump | None = None, opmap=None,
+                left=None) -> list[KernelJob]:
     """Every kernel of `target` in execution order (process, round, start), each with the
-    golden's tensors paired as compare pairs them."""
+    golden's tensors paired as compare pairs them (`opmap`, `left`: the op map compare
+    chose, conventions.choose)."""
     paired = {}
     golden_of = {}
     if golden is not None:
-        for rp in align_dumps(golden, target).rounds:
+        for rp in align_dumps(golden, target, opmap, left).rounds:
             for pair in rp.ops:
                 paired[(rp.target.where, pair.target.op_path)] = pair.golden.op_path
                 for t in pair.tensors:
@@ -513,11 +515,16 @@ def start_at_divergence(jobs: list[KernelJob], golden: str, target: str, n_jobs:
     """The kernels from compare's first divergence on, and a line saying where that is."""
     from .compare import compare_dumps
     result = compare_dumps(golden, target, jobs=n_jobs)
-    finding = result.finding
+    return start_at(jobs, result.finding, open_dump(target))
+
+
+def start_at(jobs: list[KernelJob], finding, target: Dump) -> tuple[list[KernelJob], str]:
+    """The kernels from a finding of compare (divergence.Finding; None: from the start) on,
+    and a line saying where that is."""
     if finding is None:
         return jobs, "compare finds no divergence against the golden: replaying from the start"
     process = finding.row.target.process
-    rnd = next(r for r in open_dump(target).rounds
+    rnd = next(r for r in target.rounds
                if r.process.name == process and r.index == finding.round_index)
     start = min(t.order for op in rnd.ops if op.op_path == finding.op_path for t in op.tensors)
     for i, job in enumerate(jobs):
