@@ -10,6 +10,8 @@ compared tensors for NaN/Inf and overflow. The stages share the
 records of comparison.py; the whole result (result.py) is written by the renderers:
 resulttable.py (`atb_compare_result.csv` and `.xlsx`, msprobe's columns first), summary.py
 (`atb_compare_summary.json`, for scripts and CI) and report.py (`atb_compare_report.html`).
+With `--replay`, culprit.py then reruns the target's kernels from the first divergence on
+(replay.py) and the renderers add the kernel it names.
 
 Compare mode per tensor (`--mode auto`, the default): tensor metrics when both sides have the
 bytes, else statistics differences from the csv (or from the bytes of the side that has them),
@@ -495,6 +497,11 @@ def register(sub) -> None:
     p.add_argument("--fail-on-divergence", action="store_true",
                    help="exit with status 1 when a divergence is found (for CI); the results "
                         "are written all the same")
+    p.add_argument("--replay", action="store_true",
+                   help="then replay the target's kernels from the first divergence on, from "
+                        "their own recorded inputs (as `atb-probe replay --until-culprit`), and "
+                        "name the first that introduced error; needs a target dumped with "
+                        "save_child and task tensor or all")
     p.add_argument("--no-xlsx", action="store_true", help="skip the .xlsx file")
     p.add_argument("--no-html", action="store_true", help="skip the HTML report")
     p.set_defaults(func=_compare)
@@ -519,6 +526,11 @@ def _compare(args) -> int:
     except CompareError as exc:
         print(f"atb-probe compare: {exc}", file=sys.stderr)
         return 2
+    if args.replay and result.rows:
+        from .culprit import search
+        from .replay import ReplaySettings
+        result.replay = search(result, ReplaySettings(thresholds=thresholds), jobs, opmap,
+                               conventions=not args.no_conventions)
     out = Console(highlight=False, soft_wrap=True, markup=False)   # names hold brackets
     if result.conventions:
         out.print(f"conventions: {result.conventions}")
@@ -552,9 +564,24 @@ def _compare(args) -> int:
     for scanned in result.scan:
         if scanned.first is not None:
             out.print(f"{scanned.side}: {scanned.first.summary(scanned)}", style="bold red")
+    if result.replay is not None:
+        _print_replay(out, result.replay)
     for path in paths:
         out.print(f"wrote {path}")
     return 1 if args.fail_on_divergence and result.finding is not None else 0
+
+
+def _print_replay(out, found) -> None:
+    """What replay found from the first divergence on (culprit.CulpritSearch)."""
+    from .replay import Verdict
+    counts = found.counts()
+    if found.results:
+        n = len(found.results)
+        out.print(f"replay: {found.started}: {n} kernel{'s' if n > 1 else ''} replayed, "
+                  + ", ".join(f"{k} {v}" for v, k in counts.items()))
+    style = {Verdict.INTRODUCED: "bold red", Verdict.INHERITED: "bold yellow",
+             Verdict.SKIPPED: "yellow"}.get(found.verdict, "green")
+    out.print(f"replay: {found.text()}", style=style)
 
 
 def _print_ranks(out, ranks: JoinedRanks, limit: int = 10) -> None:

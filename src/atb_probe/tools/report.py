@@ -62,6 +62,7 @@ def render_html(result: CompareResult) -> str:
     parts = [_HEAD.format(title="atb-probe compare")]
     parts.append("<h1>atb-probe compare</h1>")
     parts.append(_finding_box(result))
+    parts.append(_replay_box(result))
     parts.append(_summary(result))
     parts.append(_scan(result))
     parts.append(_plots(result))
@@ -105,6 +106,70 @@ def _finding_box(result) -> str:
             f"<div class='{'' if f.inputs_clean else 'caveat'}'>{_escape(f.caveat())}</div>"
             f"<div>golden op: <code>{_escape(f.golden_op_path)}</code> · thresholds: "
             f"{_escape(result.thresholds.describe())}</div></div>")
+
+
+def _replay_box(result) -> str:
+    """With `compare --replay`: the kernel that made the divergence, or why none is named."""
+    found = result.replay
+    if found is None:
+        return ""
+    from .replay import Verdict
+    verdict = found.verdict
+    cls = {Verdict.INTRODUCED: "bad", Verdict.CLEAN: "ok"}.get(verdict, "warn")
+    kernel = found.kernel
+    if verdict == Verdict.INTRODUCED:
+        head = (f"Replay: kernel <code>{_escape(kernel.job.op_id)}</code> "
+                f"(<code>{_escape(kernel.op)}</code>) introduced the error")
+    elif verdict == Verdict.INHERITED:
+        head = ("Replay: no kernel introduced error; the first to differ from the golden "
+                "inherited it")
+    elif verdict == Verdict.SKIPPED:
+        head = "Replay: no kernel could be replayed"
+    else:
+        head = "Replay: no kernel introduced error beyond its dtype"
+    parts = [f"<div class='{cls} replay'><div class='big'>{head}</div>"]
+    if kernel is not None:
+        parts.append(f"<div>round {kernel.job.round_index}, <code>"
+                     f"{_escape(kernel.job.op_path)}</code> · {_escape(kernel.verdict)}"
+                     + (f" · carried by {_escape(kernel.carrier)}" if kernel.carrier else "")
+                     + "</div>")
+        parts.append(_replay_outputs(kernel))
+    elif verdict == Verdict.SKIPPED:
+        parts.append(f"<div>{_escape(found.why_none)}</div>")
+    counts = ", ".join(f"{n} {_escape(v)}" for v, n in found.counts().items())
+    if found.results:
+        n = len(found.results)
+        parts.append(f"<div>{_escape(found.started)}: {n} kernel{'s' if n > 1 else ''} "
+                     f"replayed ({counts}).</div>")
+    parts.append(f"<div>introduced only beyond the bound: {_escape(found.bound.describe())}"
+                 "</div>")
+    if not found.golden_paired:
+        parts.append("<div class='caveat'>One side's ranks were joined: kernels were judged "
+                     "without the golden's tensors.</div>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _replay_outputs(kernel) -> str:
+    """A replayed kernel's outputs: recorded against float64, the bound, against the golden."""
+    rows = []
+    for o in kernel.outputs:
+        j = o.judgement
+        golden = "—" if o.total is None else _fmt(o.total.metrics.cosine)
+        if j is None:
+            rows.append(f"<tr><td>{_escape(o.name)}</td><td>{_escape(o.dtype)}</td>"
+                        f"<td colspan='6'>{_escape(o.note or 'not compared')}</td>"
+                        f"<td>{golden}</td></tr>")
+            continue
+        rows.append(f"<tr class='{'bad' if j.introduced else ''}'><td>{_escape(o.name)}</td>"
+                    f"<td>{_escape(o.dtype)}</td><td>{_fmt(j.error)}</td>"
+                    f"<td>{_fmt(j.limit)}</td><td>{_fmt(j.rerun_error)}</td>"
+                    f"<td>{j.nonfinite}</td><td>{_fmt(o.metrics.cosine)}</td>"
+                    f"<td>{_fmt(o.metrics.max_abs_err)}</td><td>{golden}</td></tr>")
+    return ("<table class='grid'><tr><th>output</th><th>dtype</th>"
+            "<th>‖recorded − float64‖</th><th>bound</th><th>‖rerun in dtype − float64‖</th>"
+            "<th>NaN/Inf introduced</th><th>cosine vs float64</th><th>max abs err vs float64"
+            "</th><th>cosine vs golden</th></tr>" + "".join(rows) + "</table>")
 
 
 def _own(row: PairResult) -> str:
@@ -402,6 +467,7 @@ div.bad, div.warn, div.ok {{ padding: 10px 14px; border-radius: 6px; margin: 10p
 div.bad {{ background: #fde8e8; border: 1px solid #e0a0a0; }}
 div.warn {{ background: #fff6dd; border: 1px solid #e0c070; }}
 div.ok {{ background: #e6f6e6; border: 1px solid #9c9; }}
+div.replay table.grid {{ margin: 6px 0; background: #fff; }}
 .caveat {{ color: #8a5a00; font-weight: 600; }}
 .unk {{ fill: #8a5a00; font-size: 13px; font-weight: 700; }}
 table.grid {{ border-collapse: collapse; }}

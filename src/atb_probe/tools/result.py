@@ -9,11 +9,15 @@ this module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .comparison import CompareMode, PairMode, PairResult, RoundNumbers, Thresholds, Unmatched
 from .divergence import Finding, Unjudged
 from .scan import RoundScan
 from .shards import JoinedRanks
+
+if TYPE_CHECKING:
+    from .culprit import CulpritSearch
 
 
 @dataclass(slots=True)
@@ -43,6 +47,7 @@ class CompareResult:
     pairing: str = "by round number"          # how rounds were paired (align.RoundPairing)
     conventions: str = ""                      # the op map in force: `vLLM against ... (built in)`
     ranks: JoinedRanks | None = None           # one side's ranks joined into one
+    replay: CulpritSearch | None = None        # `--replay`: the culprit search (culprit.py)
 
     def counts(self) -> Counts:
         counts = Counts()

@@ -4,8 +4,10 @@ One JSON object (keys in docs/analysis.md): the first divergence with both sides
 process, op path, op name and tensor, the metric that crosses and its value, and what its
 inputs say (clean, unknown, crossing); the counts; the thresholds; the rounds paired; the ops
 that could not be judged; what could not be aligned, grouped by side, kind and place, with the
-reason; the ranks joined into one side (shards.py); and the verdict as the console prints it. Strict JSON: a number that is not finite is
-written as the string `inf`, `-inf` or `nan`.
+reason; the ranks joined into one side (shards.py); the verdict as the console prints it; and,
+with `compare --replay` only, what replay found of the kernels from the first divergence on
+(culprit.py). Strict JSON: a number that is not finite is written as the string `inf`, `-inf`
+or `nan`.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ MAX_WHAT = 20                # names listed per group of unmatched entries
 def summary_doc(result: CompareResult) -> dict:
     """The summary as a JSON-ready dict."""
     c = result.counts()
-    return {
+    doc = {
         "version": SUMMARY_VERSION,
         "golden": result.golden,
         "target": result.target,
@@ -50,6 +52,9 @@ def summary_doc(result: CompareResult) -> dict:
             "not_joined": [{"tensor": u.name, "why": u.reason}
                            for u in result.ranks.undecided]},
     }
+    if result.replay is not None:    # only with `compare --replay`
+        doc["replay"] = result.replay.as_dict()
+    return doc
 
 
 def write_summary(result: CompareResult, path: str) -> None:
