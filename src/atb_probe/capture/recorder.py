@@ -197,8 +197,11 @@ class Recorder:
         labels = self.write_side(rnd, frame, record, INPUT, items, named, kernel=False) \
             if frame.dump else []
         if describe:
+            # Which argument each input file is: a layer-level op's file names do not say
+            # (`intensor0`), and replay calls the module by them.
+            arguments = [items[int(label.split("_", 1)[0])][0] for label in labels]
             record.param = dict(self.static_param(module), modulePath=frame.path,
-                                args=described, inputs=labels)
+                                args=described, inputs=labels, arguments=arguments)
         return record
 
     def module_outputs(self, rnd, frame, out, named: bool) -> None:

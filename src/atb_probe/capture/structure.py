@@ -17,7 +17,7 @@ from ..record.jobs import JsonJob
 
 # A model file is rewritten at most this often while rounds keep coming (see `ModelFile`).
 MODEL_FILE_SECONDS = 1.0
-_NOT_PARAM = frozenset({"inputs", "outputs", "modulePath"})
+_NOT_PARAM = frozenset({"inputs", "arguments", "outputs", "modulePath"})
 
 
 class RoundStructure:
