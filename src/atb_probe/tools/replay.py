@@ -326,6 +326,74 @@ def replay_kernel(job: KernelJob, settings: ReplaySettings) -> KernelResult:
     return result
 
 
+def replay_module(job: KernelJob, settings: ReplaySettings, weights: str,
+                  config: dict | None = None) -> KernelResult:
+    """Replay one module op with the user's weights (`--weights`; `config`: the model's config
+    the dump records), judged as a kernel is: its verdict, with the error of each output and
+    each input."""
+    from . import modulecall
+    from .kernelcall import CannotReplay, SkipReason
+    name = ""
+    try:
+        param = read_module_param(job.folder)
+        name = param.cls
+        module = modulecall.build_module(param, weights, config)
+        by_name = {f.name: f for f in job.inputs}
+        inputs = {}
+        for label in param.inputs:
+            found = by_name.get(layout.tensor_name(Side.INPUT, label))
+            if found is None:
+                raise CannotReplay(SkipReason.NO_DATA, f"input {label} has no row in "
+                                   "statistic.csv")
+            inputs[found.name] = load_tensor(found.target)
+        kwargs = modulecall.call_arguments(module, param, inputs)
+        runs = {}
+        for key, wide in (("reference", True), ("rerun", False)):
+            try:
+                runs[key] = modulecall.run_module(module, kwargs, wide)
+            except Exception as exc:
+                text = str(exc).strip().splitlines()
+                raise CannotReplay(SkipReason.FAILED, f"the {key} run raised "
+                                   f"{type(exc).__name__}: {text[0] if text else ''}") from None
+    except CannotReplay as exc:
+        return KernelResult(job, name, Verdict.SKIPPED, str(exc.reason), exc.detail)
+    result = KernelResult(job, name, Verdict.CLEAN)
+    recorded = {f.name: f for f in job.outputs}
+    for label in param.outputs:
+        out_name = layout.tensor_name(Side.OUTPUT, label)
+        index = int(label.split("_", 1)[0])
+        if index >= len(runs["reference"]):
+            result.outputs.append(OutputError(out_name, "", None, TensorMetrics(),
+                                              note="the rerun returned fewer outputs"))
+            continue
+        result.outputs.append(_output_error(out_name, recorded.get(out_name), param,
+                                            {k: v[index] for k, v in runs.items()}, settings))
+    arguments = {layout.tensor_name(Side.INPUT, label): argument
+                 for label, argument in zip(param.inputs, param.arguments or ())}
+    _inherited(result, arguments, settings.thresholds)
+    _decide(result)
+    return result
+
+
+def read_module_param(folder: str):
+    """A module op's `op_param.json` (modulecall.ModuleParam), or `CannotReplay`."""
+    from .kernelcall import CannotReplay, SkipReason
+    from .modulecall import ModuleParam
+    path = os.path.join(folder, layout.OP_PARAM)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise CannotReplay(SkipReason.NO_PARAM, "the dump has no op_param.json for it (task "
+                           "statistics keeps no arguments: dump with task tensor or all)") \
+            from None
+    except (OSError, ValueError) as exc:
+        raise CannotReplay(SkipReason.NO_PARAM, f"unreadable {path}: {exc}") from None
+    if not isinstance(doc, dict) or not doc.get("class"):
+        raise CannotReplay(SkipReason.NO_PARAM, "its op_param.json names no module class")
+    return ModuleParam.of(doc)
+
+
 def read_param(folder: str):
     """The kernel's `op_param.json`, or `CannotReplay`."""
     from .kernelcall import CannotReplay, KernelParam, SkipReason
@@ -465,31 +533,59 @@ def kernel_jobs(target: Dump, golden: Dump | None = None, opmap=None,
     """Every kernel of `target` in execution order (process, round, start), each with the
     golden's tensors paired as compare pairs them (`opmap`, `left`: the op map compare
     chose, conventions.choose)."""
-    paired = {}
-    golden_of = {}
+    paired, golden_of = _pairing(target, golden, opmap, left)
+    jobs = []
+    for rnd in target.rounds:
+        for op in rnd.ops:
+            if is_kernel(op.op_name):
+                jobs.append(_job(rnd, op, golden_of, paired))
+    return jobs
+
+
+def is_kernel(op_name: str) -> bool:
+    """Whether an op (by its full `/` name) is a kernel, not a module."""
+    return op_name.rsplit("/", 1)[-1].endswith("Kernel")
+
+
+def module_jobs(target: Dump, op: str, golden: Dump | None = None) -> list[KernelJob]:
+    """The module ops of `target` an OP argument names exactly (an op ID or an op path below
+    the round), one per round, with the golden's tensors paired as compare pairs them."""
+    op = op.rstrip("/")
+    op = layout.below_round(op.replace(os.sep, "/")) or op
+    found = [(rnd, o) for rnd in target.rounds for o in rnd.ops
+             if not is_kernel(o.op_name) and op in (o.op_id, o.op_path)]
+    if not found:
+        return []
+    paired, golden_of = _pairing(target, golden)
+    return [_job(rnd, o, golden_of, paired) for rnd, o in found]
+
+
+def _pairing(target: Dump, golden: Dump | None, opmap=None, left=None) -> tuple[dict, dict]:
+    """The golden's op path of each target (round, op path), and the golden's tensor record of
+    each target tensor record (by id), as compare pairs them."""
+    paired, golden_of = {}, {}
     if golden is not None:
         for rp in align_dumps(golden, target, opmap, left).rounds:
             for pair in rp.ops:
                 paired[(rp.target.where, pair.target.op_path)] = pair.golden.op_path
                 for t in pair.tensors:
                     golden_of[id(t.target)] = t.golden
-    jobs = []
-    for rnd in target.rounds:
-        for op in rnd.ops:
-            if not op.op_name.rsplit("/", 1)[-1].endswith("Kernel"):
-                continue
-            files = {Side.INPUT: [], Side.OUTPUT: []}
-            for t in op.tensors:
-                if t.io in files:
-                    g = golden_of.get(id(t))
-                    files[t.io].append(TensorFile(layout.tensor_name(t.io, t.index),
-                                                  TensorRef.of(t),
-                                                  TensorRef.of(g) if g is not None else None))
-            jobs.append(KernelJob(rnd.process.name, rnd.index, op.op_id, op.op_path,
-                                  os.path.join(rnd.path, op.op_path), op.tensors[0].order,
-                                  files[Side.INPUT], files[Side.OUTPUT],
-                                  paired.get((rnd.where, op.op_path), "")))
-    return jobs
+    return paired, golden_of
+
+
+def _job(rnd, op, golden_of: dict, paired: dict) -> KernelJob:
+    """The replay job of one op of a round; `golden_of`: the golden's tensor record of each
+    target tensor record (by id), `paired`: the golden's op path of each (round, op path)."""
+    files = {Side.INPUT: [], Side.OUTPUT: []}
+    for t in op.tensors:
+        if t.io in files:
+            g = golden_of.get(id(t))
+            files[t.io].append(TensorFile(layout.tensor_name(t.io, t.index), TensorRef.of(t),
+                                          TensorRef.of(g) if g is not None else None))
+    return KernelJob(rnd.process.name, rnd.index, op.op_id, op.op_path,
+                     os.path.join(rnd.path, op.op_path), op.tensors[0].order,
+                     files[Side.INPUT], files[Side.OUTPUT],
+                     paired.get((rnd.where, op.op_path), ""))
 
 
 def select(jobs: list[KernelJob], op: str) -> list[KernelJob]:
@@ -596,6 +692,10 @@ def register(sub) -> None:
     p.add_argument("--export", metavar="DIR",
                    help="write one kernel's tensors (.npy), its call (call.json) and a "
                         "standalone repro.py (torch and numpy only) into DIR")
+    p.add_argument("--weights", metavar="PATH",
+                   help="replay OP, a module op, as a whole: its class built and loaded with "
+                        "these weights (a save_pretrained folder or a .safetensors file, "
+                        "parameters named as the model names them)")
     p.add_argument("--device", metavar="DEV",
                    help="also rerun each kernel in its recorded dtype on DEV (cuda:0, npu:0)")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -643,19 +743,30 @@ def _replay(args) -> int:
               f"{target.kind} folder: give two round folders, or two dump roots / process "
               "folders", file=sys.stderr)
         return 2
+    settings = ReplaySettings(Bound(args.margin, args.ulps), args.device, tuple(args.imports),
+                              Thresholds(args.min_cosine, args.min_ratio))
+    modules = module_jobs(target, args.op, golden) if args.op else []
+    if args.round is not None:
+        modules = [j for j in modules if j.round_index == args.round]
+    if args.weights:
+        if not modules:
+            print(f"atb-probe replay: --weights replays a module op, and {args.op!r} names "
+                  "none of TARGET's (give its op ID, such as 3, or its path, such as "
+                  "3_LlamaDecoderLayer)", file=sys.stderr)
+            return 2
+        return _replay_modules(modules, args, settings, target)
     jobs = kernel_jobs(target, golden)
     if args.round is not None:
         jobs = [j for j in jobs if j.round_index == args.round]
     if args.op:
         jobs = select(jobs, args.op)
+        if modules:
+            _kernels_instead(args.op, modules[0], jobs)
         if not jobs:
             print(f"atb-probe replay: no kernel of TARGET is {args.op!r} (give an op ID such "
                   "as 3_1_6_2 or a path below the round; kernels are dumped with save_child)",
                   file=sys.stderr)
             return 2
-        if len(jobs) > 1 or args.op.rstrip("/") not in (jobs[0].op_id, jobs[0].op_path):
-            print(f"{args.op} is a module op: a module is not replayed as a whole; replaying "
-                  f"the {len(jobs)} kernel(s) below it")
     if not jobs:
         print("atb-probe replay: TARGET holds no kernel: dump with save_child true (and task "
               "tensor or all)", file=sys.stderr)
@@ -664,8 +775,6 @@ def _replay(args) -> int:
         print(f"atb-probe replay: --export writes one kernel, and {len(jobs)} are selected: "
               "name one by its op ID, or add --until-culprit", file=sys.stderr)
         return 2
-    settings = ReplaySettings(Bound(args.margin, args.ulps), args.device, tuple(args.imports),
-                              Thresholds(args.min_cosine, args.min_ratio))
     if args.until_culprit and golden is not None:
         try:
             jobs, line = start_at_divergence(jobs, args.golden, args.target, n_jobs)
@@ -699,6 +808,68 @@ def _replay(args) -> int:
             print(f"wrote {folder} (run: python {os.path.join(folder, 'repro.py')} "
                   "--device cpu)")
     return 1 if culprit is not None else 0
+
+
+def _kernels_instead(op: str, module: KernelJob, kernels: list[KernelJob]) -> None:
+    """A module op named without --weights: which of its kernels can be replayed instead."""
+    from .kernelcall import CannotReplay, build_call
+    try:
+        cls = read_module_param(module.folder).cls
+    except CannotReplay:
+        cls = module.op_path.rsplit("/", 1)[-1]
+    print(f"{op} is a module op ({cls}): replaying it as a whole needs its weights (--weights "
+          "a save_pretrained folder or a .safetensors file)", end="")
+    if not kernels:
+        print("; no kernel below it was dumped (dump with save_child true)")
+        return
+    print(f"; replaying the {len(kernels)} kernel(s) below it instead")
+    seen = set()
+    for job in kernels:
+        if job.op_path in seen:      # the same kernel in later rounds
+            continue
+        seen.add(job.op_path)
+        try:
+            param = read_param(job.folder)
+            build_call(param)
+            state = param.op
+        except CannotReplay as exc:
+            state = f"cannot be replayed: {exc.reason}"
+        print(f"  {job.op_id} {job.op_path}: {state}")
+
+
+def _replay_modules(jobs: list[KernelJob], args, settings: ReplaySettings, target: Dump) -> int:
+    """`OP --weights PATH`: the module op replayed as a whole, in every round (or `--round`)."""
+    if not os.path.exists(args.weights):
+        print(f"atb-probe replay: --weights {args.weights} does not exist", file=sys.stderr)
+        return 2
+    configs = _recorded_configs(target)
+    results = [replay_module(job, settings, args.weights, configs.get(job.process))
+               for job in jobs]
+    for r in results:
+        print(r.summary())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([r.as_dict() for r in results], f, indent=1, allow_nan=True)
+    print(f"replayed {len(results)} module op(s): " + ", ".join(
+        f"{sum(r.verdict == v for r in results)} {v}" for v in Verdict)
+        + f" (bound: {settings.bound.describe()})")
+    return 1 if any(r.verdict == Verdict.INTRODUCED for r in results) else 0
+
+
+def _recorded_configs(target: Dump) -> dict[str, dict]:
+    """The model config each process's dump records (info/model `param`), by process name."""
+    configs = {}
+    for process, files in target.info_files("model").items():
+        for path in files:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    param = json.load(f).get("param")
+            except (OSError, ValueError):
+                continue
+            if param:
+                configs[process] = param
+                break
+    return configs
 
 
 def _print(results: list[KernelResult], verbose: bool, settings: ReplaySettings,
