@@ -32,6 +32,11 @@ golden, else from the start) and stops at the first that introduced error. `--ex
 over one kernel: its tensors as .npy, its call as `call.json`, and `repro.py` (kernelrun.py, which
 needs only torch and numpy).
 
+A module op is replayed as a whole with `OP --weights PATH` (modulecall.py builds it, loads
+the user's weights and calls it from its recorded inputs) and judged as a kernel is; without
+weights, replay lists the kernels below it and replays those. compare's `--replay` runs the
+culprit search from its own finding (culprit.py).
+
 What cannot be replayed is reported with its reason (kernelcall.SkipReason): inputs without data
 (statistics dumps, header-only files of filter_level 2; references of filter_level 1 are
 followed), random ops, ops without a schema here, allocations, collectives, ops reading storage.
