@@ -215,9 +215,11 @@ def _cut(ref: TensorRef, record, side: SideSlice) -> tuple[bool, str]:
             return True, ""
         ref.cut = TokenSlice(CutDims(layout.arrangement.value), span.row, side.start, side.stop)
         if side.whole_span:
-            if getattr(record, "parts", None):    # derived: no statistics of its own
-                ref.stats = None
-                why = f"{ref.data_name} is derived from other tensors: it has no statistics"
+            if getattr(record, "parts", None):    # derived: statistics only if measured
+                ref.stats = record.request_stats(span.request)
+                why = (f"{ref.data_name} is derived from other tensors, and round "
+                       f"{ref.round_index} has no statistics of it over request "
+                       f"{span.request!r} (derived_statistic.csv)")
             else:
                 ref.stats = record.round.request_stats(record, span.request)
                 why = (f"round {ref.round_index} has no statistics of request "
