@@ -61,15 +61,18 @@ def summary_of(golden_root: Path, target_root: Path, out: Path) -> dict:
 
 def test_the_probe_measures_the_sum_of_a_decoder_layers_halves(runs):
     _, root, _ = runs
-    first = worker_dir(root) / "0"
-    with open(first / "derived_statistic.csv", newline="") as f:
+    # The step that holds every request (vLLM's first step may take only the first one).
+    batched = next(r for r in sorted(worker_dir(root).iterdir(), key=lambda p: int(p.name))
+                   if len(json.loads((r / "tokens.json").read_text())["requests"]) == PROMPTS)
+    with open(batched / "derived_statistic.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    layers = {r["Op Name"] for r in rows}
-    assert layers == {LAYER}, layers
     # Two decoder layers: the first's outputs, the second's inputs (the first gets no residual)
-    # and outputs; each over the whole step and over each of the three requests' tokens.
-    sides = [(r["Op Id"], r["Input/Output"], r["Index"]) for r in rows if not r["Request"]]
-    assert sides == [("1", "output", "0+1"), ("2", "input", "1+2"), ("2", "output", "0+1")]
+    # and outputs; the final norm's inputs. Each over the whole step and over each of the three
+    # requests' tokens.
+    sides = [(r["Op Name"], r["Op Id"], r["Input/Output"], r["Index"]) for r in rows
+             if not r["Request"]]
+    assert sides == [(LAYER, "1", "output", "0+1"), (LAYER, "2", "input", "1+2"),
+                     (LAYER, "2", "output", "0+1"), ("RMSNorm", "3", "input", "0+1")], sides
     assert len(rows) == len(sides) * (1 + PROMPTS)
     assert all(float(r["Norm"]) > 0 for r in rows)
 
@@ -78,6 +81,8 @@ def test_same_weights_diverge_nowhere_and_every_decoder_layer_is_judged(runs, tm
     g_root, t_root, _ = runs
     summary = summary_of(g_root, t_root, tmp_path / "cmp")
     assert summary["diverged"] is False, summary["verdict"]
+    # Every paired op judged, the logits of a step's several requests (a row each) included.
+    assert summary["counts"]["unjudged_ops"] == 0, summary["unjudged"]
 
     result = compare_dumps(str(g_root), str(t_root), mode="statistics")
     outputs = [r for r in result.rows if r.layer.endswith("_" + LAYER) and r.op_path == r.layer

@@ -386,7 +386,8 @@ class Recorder:
                 stats, _ = self.stats.side(queue, tensors, kernel_output=True,
                                            inputs_seen=record.inputs_seen)
             if by_request is not None:
-                request_cells = self._request_cells(by_request, queue, tensors)
+                request_cells = self._request_cells(by_request, queue, tensors,
+                                                    by_row="_" not in frame.op_id)
             if sums is not None and cfg.wants_statistics:
                 derived = self._sum_rows(sums, dumpable, queue, by_request)
             # Deferred only where every in-place kernel is seen (see forget_written).
@@ -451,10 +452,12 @@ class Recorder:
                 rows += (index, dtype, shape_cell(dims), cell, request)
         return rows
 
-    def _request_cells(self, tokens: TokenLayout, queue: Queue, tensors: list) -> list:
+    def _request_cells(self, tokens: TokenLayout, queue: Queue, tensors: list,
+                       by_row: bool = False) -> list:
         """Statistics cells of each request's slice of the tensors that have the round's token
-        dimension, pending in `queue` with the tensors': (tensor index, request, slice shape,
-        cell) each. The slices live only until the queue resolves, so nothing of them is
+        dimension (and with `by_row`, a layer-level op's, of each request's row of a tensor with
+        a row per request: the logits), pending in `queue` with the tensors': (tensor index,
+        request, slice shape, cell) each. The slices live only until the queue resolves, so nothing of them is
         looked up or kept (`StatsCache.fresh`)."""
         out = []
         flat = tokens.arrangement is Arrangement.FLAT
@@ -463,6 +466,11 @@ class Recorder:
         for i, t in enumerate(tensors):
             shape = t.shape
             if not tokens.has_token_dim(shape):
+                if by_row and tokens.has_request_rows(shape):  # each request's row
+                    dims = (1, *shape[1:])
+                    out.extend((i, span.request, dims,
+                                fresh(t.narrow(0, tokens.request_row(span), 1), queue))
+                               for span in tokens.requests)
                 continue
             if flat:
                 rest, rows = shape[1:], t
