@@ -125,6 +125,7 @@ def test_request_statistics_of_a_layer_output_are_those_of_its_slice(rounds, ind
 
 
 def test_every_request_row_names_a_tensor_of_statistic_csv_with_the_token_dimension(rounds):
+    """... or, for a layer-level op, with a row per request (dim 0 the batch's rows)."""
     for index in (0, 1):
         folder = rounds[index]
         doc = tokens_of(folder)
@@ -134,11 +135,14 @@ def test_every_request_row_names_a_tensor_of_statistic_csv_with_the_token_dimens
         keyed = {}
         for r in per:
             keyed.setdefault((r["Op Id"], r["Input/Output"], r["Index"]), []).append(r["Request"])
-        with_dim = {k for k, shape in whole.items()
-                    if shape and [int(d) for d in shape.split("x")][:2] ==
-                    [doc["rows"], doc["tokens"]]}
-        assert set(keyed) == with_dim
-        assert all(v == ["row0", "row1"] for v in keyed.values())
+        dims = {k: [int(d) for d in shape.split("x")] for k, shape in whole.items() if shape}
+        with_dim = {k for k, d in dims.items() if d[:2] == [doc["rows"], doc["tokens"]]}
+        with_rows = {k for k, d in dims.items() if k not in with_dim and d[0] == doc["rows"]
+                     and "_" not in k[0]}
+        assert set(keyed) == with_dim | with_rows
+        assert with_dim and all(v == ["row0", "row1"] for v in keyed.values())
+        shapes = {(r["Op Id"], r["Input/Output"], r["Index"]): r["Shape"] for r in per}
+        assert all(shapes[k] == "x".join(map(str, [1, *dims[k][1:]])) for k in with_rows)
 
 
 def test_right_padding_puts_each_rows_span_first(tmp_path):
@@ -165,11 +169,16 @@ def test_with_save_child_every_tensor_with_the_token_dimension_has_request_rows(
     per = read_csv(folder / "request_statistic.csv")
     assert any(r["Op Type"].endswith("Kernel") for r in per)
     whole = read_csv(folder / "statistic.csv")
-    with_dim = [r for r in whole if r["Shape"].split("x")[:2] == ["2", "5"]]
+    # ... and a layer-level op's tensors with a row per request (the decoder layers' mask)
+    with_dim = [r for r in whole if r["Shape"].split("x")[:2] == ["2", "5"] or
+                "_" not in r["Op Id"] and r["Shape"].split("x")[0] == "2"]
     assert len(per) == 2 * len(with_dim)
     assert [(r["Op Id"], r["Input/Output"], r["Index"]) for r in per[::2]] == \
         [(r["Op Id"], r["Input/Output"], r["Index"]) for r in with_dim]
-    assert {r["Shape"].split("x")[1] for r in per if r["Request"] == "row0"} == {"3"}
+    tokens = {(r["Op Id"], r["Input/Output"], r["Index"]) for r in with_dim
+              if r["Shape"].split("x")[:2] == ["2", "5"]}
+    assert {r["Shape"].split("x")[1] for r in per if r["Request"] == "row0" and
+            (r["Op Id"], r["Input/Output"], r["Index"]) in tokens} == {"3"}
 
 
 def test_a_decode_round_knows_its_prompts_when_the_prefill_was_not_dumped(tmp_path):

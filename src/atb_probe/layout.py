@@ -7,6 +7,7 @@
         <round>/                                    round_dir(devpid, round)
           statistic.csv                             round_csv(round_rel)
           request_statistic.csv                     statcsv.REQUEST_FILE_NAME
+          derived_statistic.csv                     statcsv.DERIVED_FILE_NAME
           tokens.json                               TOKENS_JSON
           <id>_<Name>/                              op_folder(own_id, name)
             before/intensor<index>.bin              tensor_file("input", index)

@@ -1,5 +1,7 @@
-"""statistic.csv: the per-round table of every tensor written (SPEC §5); and
-request_statistic.csv, the same statistics per request of a round holding several (SPEC §9).
+"""statistic.csv: the per-round table of every tensor written (SPEC §5); request_statistic.csv,
+the same statistics per request of a round holding several (SPEC §9); and derived_statistic.csv,
+the statistics of sums of an op's tensors that another implementation computes as one tensor
+(capture/sums.py), with the same columns as request_statistic.csv.
 
 One file per round directory, with `HEADER` (`REQUEST_HEADER`) as its first line. The recorder
 hands rows over as side tuples (below), one per op side; the writer formats them
@@ -23,6 +25,10 @@ NA = "N/A"
 REQUEST_FILE_NAME = "request_statistic.csv"
 REQUEST_COLUMNS = COLUMNS + ("Request",)
 REQUEST_HEADER = ",".join(REQUEST_COLUMNS) + "\n"
+# The statistics of a sum of two tensors of one op side (capture/sums.py), over the whole sum
+# (Request empty) and over each request's tokens when request_statistic.csv is written: Index
+# names the tensors added (`0+1`), Tensor Path is N/A.
+DERIVED_FILE_NAME = "derived_statistic.csv"
 
 
 def format_number(value: float | None) -> str:
@@ -113,7 +119,8 @@ def format_sides(sides: Iterable[tuple], round_path: str = "") -> str:
 
 
 def format_request_sides(sides: Iterable[tuple]) -> str:
-    """CSV text of request_statistic.csv's side records (see above)."""
+    """CSV text of request_statistic.csv's (and derived_statistic.csv's) side records (see
+    above)."""
     lines = []
     add = lines.append
     numbers: dict = {}

@@ -90,6 +90,19 @@ class TokenLayout:
             return len(shape) >= 1 and shape[0] == self.tokens
         return len(shape) >= 2 and shape[0] == self.rows and shape[1] == self.tokens
 
+    def has_request_rows(self, shape) -> bool:
+        """Whether a tensor of this shape, without the token dimension, has a row per request
+        (the logits of each request's last token): dim 0 is the batch's rows, or in a flat
+        layout the round's requests, and the round holds several."""
+        if len(self.requests) < 2 or not len(shape) or self.has_token_dim(shape):
+            return False
+        return shape[0] == (self.rows if self.arrangement is Arrangement.BATCH
+                            else len(self.requests))
+
+    def request_row(self, span: RequestSpan) -> int:
+        """The row of `span`'s request in a tensor with a row per request."""
+        return span.row if self.arrangement is Arrangement.BATCH else self.requests.index(span)
+
     def doc(self) -> dict:
         """The tokens.json document (docs/format.md)."""
         return {

@@ -32,11 +32,12 @@ from ..binfile import encode_header, encode_reference
 from ..layout import INPUT, OUTPUT
 from ..naming import sanitize
 from ..record.jobs import JsonJob, RowsJob, TensorFileJob
-from ..statcsv import (FILE_NAME as CSV_FILE, HEADER, REQUEST_FILE_NAME, REQUEST_HEADER,
-                       shape_cell, side_rows, tensor_path_cell)
+from ..statcsv import (DERIVED_FILE_NAME, FILE_NAME as CSV_FILE, HEADER, REQUEST_FILE_NAME,
+                       REQUEST_HEADER, shape_cell, side_rows, tensor_path_cell)
 from ..tokens import Arrangement, TokenLayout
 from .arguments import bind_args
 from .stats_reuse import Queue, StatsCache
+from .sums import sum_index, sums_of
 from .structure import RoundStructure, StructureFiles
 from .tensors import (DUMPABLE_DTYPES, dumpable_dtype, flatten, host_bytes, local_of,
                       may_hold_tensor, same_bytes_key)
@@ -53,7 +54,7 @@ class OpRecord:
     """What the recorder keeps of one op execution while it runs."""
 
     __slots__ = ("inputs", "outputs", "param", "nodes", "writes_args", "factory", "inputs_seen",
-                 "shards")
+                 "shards", "sums")
 
     def __init__(self, writes_args: bool = False, factory: bool = False):
         self.inputs = 0               # number of input tensors (for structure files)
@@ -64,6 +65,7 @@ class OpRecord:
         self.factory = factory        # kernels: a factory function (capture/kernels.py)
         self.inputs_seen = None       # kernels: what the inputs' statistics leave the outputs
         self.shards = None            # DTensor layouts by file name, for op_param.json
+        self.sums = None              # modules: the sums measured per side (capture/sums.py)
 
 
 class LayerRecord:
@@ -71,13 +73,15 @@ class LayerRecord:
     rows (handed over in one piece when the layer ends), its pending statistics, whether its
     structure is collected, and the memory nothing has written yet."""
 
-    __slots__ = ("written", "collect", "rows", "request_rows", "deferred", "pending", "uninit")
+    __slots__ = ("written", "collect", "rows", "request_rows", "derived_rows", "deferred",
+                 "pending", "uninit")
 
     def __init__(self, collect: bool, deferred: bool = False):
         self.written = {}     # same_bytes_key -> (weakref to tensor, path in round)
         self.collect = collect
         self.rows = []
         self.request_rows = []    # request_statistic.csv's, the same way
+        self.derived_rows = []    # derived_statistic.csv's
         self.deferred = deferred  # kernels seen: statistics may wait for the end
         self.pending = None       # stats_reuse.Queue, once something is pending
         # Storage addresses of allocation kernels' outputs (`torch.empty`) that no kernel has
@@ -114,8 +118,9 @@ class Recorder:
         self._static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.stats = StatsCache()
         self.structure = StructureFiles(sink)
-        self._rows = _RowHandover(sink, self.stats)
-        self._request_rows = _RowHandover(sink, self.stats, requests=True)
+        self._rows = _RowHandover(sink, self.stats, CSV_FILE)
+        self._request_rows = _RowHandover(sink, self.stats, REQUEST_FILE_NAME)
+        self._derived_rows = _RowHandover(sink, self.stats, DERIVED_FILE_NAME)
 
     # -- rounds and layers ------------------------------------------------------------------
 
@@ -149,6 +154,9 @@ class Recorder:
         if layer.request_rows:
             rows, layer.request_rows = layer.request_rows, []
             self._request_rows.queue(rnd.record, rows)
+        if layer.derived_rows:
+            rows, layer.derived_rows = layer.derived_rows, []
+            self._derived_rows.queue(rnd.record, rows)
 
     def layer_done(self, rnd, frame) -> None:
         self.structure.layer_done(rnd, rnd.record.structure, frame, frame.layer.collect)
@@ -163,6 +171,7 @@ class Recorder:
         record = rnd.record
         self._rows.hand_over()
         self._request_rows.hand_over()
+        self._derived_rows.hand_over()
         if record.wrote and record.tokens is not None:
             self.sink.put(JsonJob(record.rel, layout.TOKENS_JSON, record.tokens.doc()))
         self.structure.end_round(rnd, record.structure)
@@ -171,8 +180,9 @@ class Recorder:
     def after_fork(self) -> None:
         """A forked child writes structure files of its own, into its own folders. Rows the
         forking thread had waiting are the parent's to write."""
-        self._rows = _RowHandover(self.sink, self.stats)
-        self._request_rows = _RowHandover(self.sink, self.stats, requests=True)
+        self._rows = _RowHandover(self.sink, self.stats, CSV_FILE)
+        self._request_rows = _RowHandover(self.sink, self.stats, REQUEST_FILE_NAME)
+        self._derived_rows = _RowHandover(self.sink, self.stats, DERIVED_FILE_NAME)
         self.structure.after_fork()
 
     # -- module ops -------------------------------------------------------------------------
@@ -183,6 +193,7 @@ class Recorder:
         if not (frame.dump or frame.layer.collect):
             return None
         record = OpRecord()
+        record.sums = _class_sums(type(module))
         pairs = bind_args(params, args, kwargs)
         # op_param.json (tensor tasks) and the structure files describe the arguments;
         # otherwise only the tensors matter.
@@ -194,7 +205,8 @@ class Recorder:
         else:
             _tensors_of(pairs, items)
         record.inputs = len(items)
-        labels = self.write_side(rnd, frame, record, INPUT, items, named, kernel=False) \
+        labels = self.write_side(rnd, frame, record, INPUT, items, named, kernel=False,
+                                 sums=record.sums and record.sums.get(INPUT)) \
             if frame.dump else []
         if describe:
             # Which argument each input file is: a layer-level op's file names do not say
@@ -211,7 +223,8 @@ class Recorder:
         items = [("", out)] if isinstance(out, torch.Tensor) else _output_items(out)
         record.outputs = len(items)
         if frame.dump:
-            labels = self.write_side(rnd, frame, record, OUTPUT, items, named, kernel=False)
+            labels = self.write_side(rnd, frame, record, OUTPUT, items, named, kernel=False,
+                                     sums=record.sums and record.sums.get(OUTPUT))
             if rnd.selection.config.wants_tensors:
                 doc = record.param
                 doc["outputs"] = labels
@@ -336,10 +349,11 @@ class Recorder:
     # -- tensors ----------------------------------------------------------------------------
 
     def write_side(self, rnd, frame, record: OpRecord, side: str, items, named: bool,
-                   kernel: bool) -> list[str]:
+                   kernel: bool, sums: tuple[int, int] | None = None) -> list[str]:
         """Record one side (inputs or outputs) of an op: its statistic.csv rows join the
         layer execution's, statistics pending (see stats_reuse), files queued; returns the
-        index labels."""
+        index labels. `sums`: the two tensors of the side whose sum is measured too
+        (derived_statistic.csv, capture/sums.py)."""
         cfg = rnd.selection.config
         dumpable, tensors = [], []
         for i, (label, t) in enumerate(items):
@@ -360,7 +374,7 @@ class Recorder:
                 _skipped(t, frame)
         layer = frame.layer
         by_request = rnd.record.by_request
-        request_cells = None
+        request_cells = derived = None
         if cfg.wants_statistics or (kernel and cfg.save_child and cfg.filter_level >= 2):
             # A factory's outputs are not kept for later: their statistics are computed now,
             # in a queue of their own (see `Kernel.factory`).
@@ -375,7 +389,10 @@ class Recorder:
                 stats, _ = self.stats.side(queue, tensors, kernel_output=True,
                                            inputs_seen=record.inputs_seen)
             if by_request is not None:
-                request_cells = self._request_cells(by_request, queue, tensors)
+                request_cells = self._request_cells(by_request, queue, tensors,
+                                                    by_row="_" not in frame.op_id)
+            if sums is not None and cfg.wants_statistics:
+                derived = self._sum_rows(sums, dumpable, queue, by_request)
             # Deferred only where every in-place kernel is seen (see forget_written).
             if at_once or layer is None or not layer.deferred or \
                     queue.nbytes > MAX_PENDING_BYTES:
@@ -409,12 +426,41 @@ class Recorder:
                     layer.request_rows.append(request_record)
                 else:
                     self._request_rows.queue(rnd.record, [request_record])
+            if derived:
+                if layer is not None:
+                    layer.derived_rows.append((*head, *derived))
+                else:
+                    self._derived_rows.queue(rnd.record, [(*head, *derived)])
         return labels
 
-    def _request_cells(self, tokens: TokenLayout, queue: Queue, tensors: list) -> list:
+    def _sum_rows(self, pair: tuple[int, int], dumpable: list, queue: Queue,
+                  by_request: TokenLayout | None) -> list:
+        """The cells after the head of a derived_statistic.csv side record (statcsv.py): the
+        statistics of the sum of the side's tensors `pair`, whole and per request, pending in
+        `queue`; empty when the side has no such two tensors of one shape, dtype and device
+        (vLLM's first decoder layer gets no residual)."""
+        found = {i: (t, dt) for i, _, t, dt in dumpable if i in pair}
+        if len(found) != 2:
+            return []
+        (a, dt), (b, _) = found[pair[0]], found[pair[1]]
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or \
+                not a.is_floating_point():
+            return []
+        with torch.no_grad():
+            total = torch.add(a, b)   # a snapshot: the next norm adds in place
+        index, dtype = sum_index(pair), dt.csv_name
+        rows = [index, dtype, shape_cell(total.shape), self.stats.fresh(total, queue), ""]
+        if by_request is not None:
+            for _, request, dims, cell in self._request_cells(by_request, queue, [total]):
+                rows += (index, dtype, shape_cell(dims), cell, request)
+        return rows
+
+    def _request_cells(self, tokens: TokenLayout, queue: Queue, tensors: list,
+                       by_row: bool = False) -> list:
         """Statistics cells of each request's slice of the tensors that have the round's token
-        dimension, pending in `queue` with the tensors': (tensor index, request, slice shape,
-        cell) each. The slices live only until the queue resolves, so nothing of them is
+        dimension (and with `by_row`, a layer-level op's, of each request's row of a tensor with
+        a row per request: the logits), pending in `queue` with the tensors': (tensor index,
+        request, slice shape, cell) each. The slices live only until the queue resolves, so nothing of them is
         looked up or kept (`StatsCache.fresh`)."""
         out = []
         flat = tokens.arrangement is Arrangement.FLAT
@@ -423,6 +469,11 @@ class Recorder:
         for i, t in enumerate(tensors):
             shape = t.shape
             if not tokens.has_token_dim(shape):
+                if by_row and tokens.has_request_rows(shape):  # each request's row
+                    dims = (1, *shape[1:])
+                    out.extend((i, span.request, dims,
+                                fresh(t.narrow(0, tokens.request_row(span), 1), queue))
+                               for span in tokens.requests)
                 continue
             if flat:
                 rest, rows = shape[1:], t
@@ -492,18 +543,18 @@ class Recorder:
 
 
 class _RowHandover(threading.local):
-    """statistic.csv rows (request_statistic.csv's, with `requests`) of a thread's round that
-    wait to be handed to the writer in one piece: one job (the writer's lock, its accounting)
-    per round rather than per layer-level op execution. They are handed over at the end of the
+    """statistic.csv rows (or request_statistic.csv's, derived_statistic.csv's: `name`) of a
+    thread's round that wait to be handed to the writer in one piece: one job (the writer's
+    lock, its accounting) per round rather than per layer-level op execution. They are handed over at the end of the
     round (whether the model returned or raised), and sooner once `MAX_WAITING_SIDES` sides or
     `MAX_WAITING_SECONDS` have gathered, so a long round keeps its rows flowing and what waits
     stays small (rows hold no tensor data: only their shapes and statistics cells). Each job
     carries what the writer waits on before reading them: the `Landed` of the device batches
     still on their way, or None."""
 
-    def __init__(self, sink, stats: StatsCache, requests: bool = False):
+    def __init__(self, sink, stats: StatsCache, name: str):
         self.sink, self.stats = sink, stats
-        self.requests = requests
+        self.name = name
         self.record = None  # the RoundRecord whose rows wait, or None
         self.sides: list = []
         self.since = 0.0    # when the first of them was queued
@@ -526,10 +577,10 @@ class _RowHandover(threading.local):
         self.record, self.sides = None, []
         if sides:
             size = _ROW_BYTES * sum([side_rows(side) for side in sides])
-            name, header = (REQUEST_FILE_NAME, REQUEST_HEADER) if self.requests else \
-                (CSV_FILE, HEADER)
-            self.sink.put(RowsJob(record.rel, name, sides, header, size,
-                                  self.stats.device.landings.last(), self.requests))
+            requests = self.name != CSV_FILE  # the columns of request_statistic.csv
+            self.sink.put(RowsJob(record.rel, self.name, sides,
+                                  REQUEST_HEADER if requests else HEADER, size,
+                                  self.stats.device.landings.last(), requests))
 
 
 # Under the writer's own delay for rows (writer.ROWS_DELAY): the rows of a layer execution reach
@@ -538,6 +589,9 @@ MAX_WAITING_SECONDS = 0.1
 MAX_WAITING_SIDES = 4096
 _FILE_JOB_BYTES = 256   # accounted bytes of a file job besides its payload
 _ROW_BYTES = 192        # accounted bytes of a statistic.csv row
+
+
+_class_sums = lru_cache(maxsize=None)(sums_of)
 
 
 @lru_cache(maxsize=4096)

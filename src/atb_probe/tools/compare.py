@@ -217,9 +217,11 @@ def _cut(ref: TensorRef, record, side: SideSlice) -> tuple[bool, str]:
             return True, ""
         ref.cut = TokenSlice(CutDims(layout.arrangement.value), span.row, side.start, side.stop)
         if side.whole_span:
-            if getattr(record, "parts", None):    # derived: no statistics of its own
-                ref.stats = None
-                why = f"{ref.data_name} is derived from other tensors: it has no statistics"
+            if getattr(record, "parts", None):    # derived: statistics only if measured
+                ref.stats = record.request_stats(span.request)
+                why = (f"{ref.data_name} is derived from other tensors, and round "
+                       f"{ref.round_index} has no statistics of it over request "
+                       f"{span.request!r} (derived_statistic.csv)")
             else:
                 ref.stats = record.round.request_stats(record, span.request)
                 why = (f"round {ref.round_index} has no statistics of request "
@@ -236,17 +238,15 @@ def _cut(ref: TensorRef, record, side: SideSlice) -> tuple[bool, str]:
         ref.cut = TokenSlice(CutDims.FLAT, 0, offset + side.start, offset + side.stop)
         ref.stats = None
         why = "no statistics of a flattened batch's request tokens"
-    elif dims and side.whole_span and len(layout.requests) > 1 and (
-            dims[0] == layout.rows if layout.arrangement == Arrangement.BATCH
-            else dims[0] == len(layout.requests)):
+    elif side.whole_span and layout.has_request_rows(dims):
         # A request's tensor that is not per token (the logits of its last token): a batch
         # row, or in a flat layout the request's place among the round's requests (vLLM's
         # logits); over the same tokens as the other side's when both spans are whole.
-        row = span.row if layout.arrangement == Arrangement.BATCH \
-            else layout.requests.index(span)
-        ref.cut = TokenSlice(CutDims.ROW, row)
-        ref.stats = None
-        why = f"no statistics of request {span.request!r}'s row alone"
+        ref.cut = TokenSlice(CutDims.ROW, layout.request_row(span))
+        ref.stats = record.request_stats(span.request) if getattr(record, "parts", None) \
+            else record.round.request_stats(record, span.request)
+        why = (f"round {ref.round_index} has no statistics of request {span.request!r}'s row "
+               "(request_statistic.csv)")
     else:
         return False, ""
     ref.shape = shape_cell(ref.cut.shape(dims))

@@ -30,7 +30,16 @@ _TOKENIZER_TEXT = ("the quick brown fox jumps over the lazy dog. a probe dumps e
 
 # The families `save_llama` can write: (config class, model class) in transformers.
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+            "mistral": ("MistralConfig", "MistralForCausalLM"),
+            "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+            "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
+# The families' own sizes besides the common ones: small expert counts for the MoE ones.
+_FAMILY_CONFIG = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+                  "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}}
 
 
 def save_llama(folder, layers: int = 2, hidden: int = 128, vocab: int = 512, seed: int = 0,
@@ -62,8 +71,9 @@ def save_llama(folder, layers: int = 2, hidden: int = 128, vocab: int = 512, see
     config = config_class(vocab_size=vocab, hidden_size=hidden,
                           intermediate_size=intermediate or hidden * 2,
                           num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                          num_key_value_heads=1, max_position_embeddings=512, bos_token_id=0,
-                          eos_token_id=1, torch_dtype="float32", tie_word_embeddings=False)
+                          num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                          bos_token_id=0, eos_token_id=1, torch_dtype="float32",
+                          tie_word_embeddings=False, **_FAMILY_CONFIG.get(family, {}))
     model_class(config).save_pretrained(folder)
     return folder
 

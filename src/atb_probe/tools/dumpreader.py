@@ -31,7 +31,7 @@ from ..binread import HeaderOnlyError, load_numpy, load_tensor
 from ..config import Task
 from ..layout import Side
 from ..naming import is_uninitialized
-from ..statcsv import COLUMNS, NA, Stats, parse_stats, shape_cell
+from ..statcsv import COLUMNS, DERIVED_FILE_NAME, NA, Stats, parse_stats, shape_cell
 from ..tokens import TokenLayout
 from . import StrEnum
 from .tokens import read_layout, read_request_stats
@@ -191,6 +191,16 @@ class Round:
         """A tensor's statistics over one request's tokens (request_statistic.csv: `request`
         as tokens.json names it); None when the round has none for it."""
         return self._request_stats.get((record.op_id, str(record.io), record.index, request))
+
+    @cached_property
+    def _derived_stats(self) -> dict[tuple[str, str, str, str], Stats]:
+        return read_request_stats(self.path, DERIVED_FILE_NAME)
+
+    def derived_stats(self, op_id: str, io: str, index: str, request: str = "") -> Stats | None:
+        """The statistics the probe measured of a sum of an op side's tensors
+        (derived_statistic.csv: `index` such as `0+1`), over the whole sum or one request's
+        tokens; None when the round has none."""
+        return self._derived_stats.get((op_id, str(io), index, request))
 
     def uninitialized(self, op_path: str) -> frozenset:
         """The output names an op's op_param.json marks as uninitialised memory."""

@@ -391,8 +391,25 @@ class DerivedTensor:
             sizes = [math.prod(parse_shape(c)) for c in cells]
         except (ValueError, IndexError):
             shape, sizes = "?", [0] * len(parts)
-        stats = expr.derive.stats([p.stats for p in parts], sizes)
-        return cls(parts, expr.derive, f"{parts[0].op_path}/{expr.text(names)}", shape, stats)
+        made = cls(parts, expr.derive, f"{parts[0].op_path}/{expr.text(names)}", shape, None)
+        made.stats = expr.derive.stats([p.stats for p in parts], sizes) or \
+            made.request_stats("")
+        return made
+
+    def request_stats(self, request: str) -> Stats | None:
+        """The statistics the probe measured of this tensor over one request's tokens (`""`:
+        all of it): those of a sum of two tensors of one op side, in derived_statistic.csv
+        (capture/sums.py); None for another derived tensor, or a round without them."""
+        parts = self.parts
+        if self.derive.kind != DeriveKind.SUM or len(parts) != 2 or \
+                parts[0].op_id != parts[1].op_id or parts[0].io != parts[1].io:
+            return None
+        first, second = parts[0].index, parts[1].index
+        look = getattr(self.round, "derived_stats", None)  # None: records not read from a dump
+        if look is None:
+            return None
+        return look(parts[0].op_id, parts[0].io, f"{first}+{second}", request) or \
+            look(parts[0].op_id, parts[0].io, f"{second}+{first}", request)
 
     @property
     def round(self):

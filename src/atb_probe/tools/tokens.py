@@ -69,10 +69,12 @@ def _span(doc: dict, tokens: int, rows: int) -> RequestSpan:
     return RequestSpan(str(doc["request"]), row, start, stop, _count(doc["position"]), prompt)
 
 
-def read_request_stats(round_path: str) -> dict[tuple[str, str, str, str], Stats]:
-    """request_statistic.csv of a round as {(Op Id, Input/Output, Index, Request): stats};
-    empty when the round has none. Rows without statistics are left out."""
-    path = os.path.join(round_path, REQUEST_FILE_NAME)
+def read_request_stats(round_path: str, name: str = REQUEST_FILE_NAME
+                       ) -> dict[tuple[str, str, str, str], Stats]:
+    """request_statistic.csv of a round (or another file of its columns, `name`:
+    derived_statistic.csv) as {(Op Id, Input/Output, Index, Request): stats}; empty when the
+    round has none. Rows without statistics are left out."""
+    path = os.path.join(round_path, name)
     out: dict[tuple[str, str, str, str], Stats] = {}
     try:
         f = open(path, newline="", encoding="utf-8-sig")
