@@ -1,0 +1,131 @@
+"""compare's statistics-first triage against the full comparison (`--full`), on real dumps of a
+tiny Llama: a planted fault (a perturbed weight) and a clean pair, with and without
+statistics in the dump. The triage must name the same first divergence while opening far
+fewer `.bin` files (counted with an audit hook on `open`, in this process: `jobs=1`)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from atb_probe import cli
+from atb_probe.tools.compare import compare_dumps
+from atb_probe.tools.triage import AFTER_NOTE, AGREED_NOTE
+
+from conftest import dump, generate, tiny_llama
+from harness import config
+
+LAYERS = 4
+PERTURBED = "4_LlamaDecoderLayer"      # layers[2]
+
+
+def perturb(model):
+    """Scale the third layer's MLP output projection by 5%."""
+    with torch.no_grad():
+        model.model.layers[2].mlp.down_proj.weight.mul_(1.05)
+    return model
+
+
+def llama_dump(tmp_path_factory, name, task, broken=False):
+    model = tiny_llama(layers=LAYERS)
+    if broken:
+        perturb(model)
+    tmp = tmp_path_factory.mktemp(name)
+    return dump(tmp, config(task=task, save_child=True, filter_level=1),
+                lambda: generate(model, prompt_len=4, new_tokens=3))
+
+
+@pytest.fixture(scope="module", params=["all", "tensor"])
+def dumps(request, tmp_path_factory):
+    """(golden, a second golden run, the faulty run) with `task` all or tensor."""
+    task = request.param
+    return task, tuple(llama_dump(tmp_path_factory, f"{task}-{name}", task, name == "broken")
+                       for name in ("golden", "again", "broken"))
+
+
+_OPENED: list[str] | None = None
+
+
+def _count_bins(event, args):
+    if _OPENED is not None and event == "open" and str(args[0]).endswith(".bin"):
+        _OPENED.append(str(args[0]))
+
+
+sys.addaudithook(_count_bins)
+
+
+def opening(**kw):
+    """The comparison and the `.bin` files it opened."""
+    global _OPENED
+    _OPENED = []
+    try:
+        result = compare_dumps(jobs=1, **kw)
+        return result, _OPENED
+    finally:
+        _OPENED = None
+
+
+def test_the_triage_names_the_full_compares_first_divergence_from_a_few_files(dumps):
+    task, (golden, _, broken) = dumps
+    full, full_opened = opening(golden=str(golden), target=str(broken), full=True)
+    triaged, opened = opening(golden=str(golden), target=str(broken))
+    f, t = full.finding, triaged.finding
+    assert f is not None and f.inputs_clean and f.op_path.startswith(PERTURBED)
+    assert t is not None and (t.round_index, t.op_path, t.golden_op_path, t.inputs) == \
+        (f.round_index, f.op_path, f.golden_op_path, f.inputs)
+    assert t.summary() == f.summary() and t.first_inside == f.first_inside
+    assert full.triage is None and triaged.triage.stopped
+    assert triaged.triage.read < triaged.triage.pairs == len(full.rows) == len(triaged.rows)
+    # Statistics let it skip every layer before the fault but the margin's; without them it
+    # reads the first round up to the fault, and never the rounds after it.
+    assert len(opened) < len(full_opened) / (6 if task == "all" else 3)
+    notes = {r.note for r in triaged.rows if r.note.startswith("not read")}
+    assert notes == ({AGREED_NOTE, AFTER_NOTE} if task == "all" else {AFTER_NOTE})
+
+
+def test_the_finding_sits_after_a_unit_whose_data_was_read(dumps):
+    """The margin: the layer-level op before the found one was read, though its statistics
+    agree."""
+    _, (golden, _, broken) = dumps
+    result, _ = opening(golden=str(golden), target=str(broken))
+    f = result.finding
+    previous = f"{int(PERTURBED.split('_')[0]) - 1}_LlamaDecoderLayer"
+    rows = [r for r in result.rows if r.round_index == f.round_index
+            and r.op_path.split("/")[0] == previous]
+    assert rows and all(r.mode == "tensor" for r in rows if r.note != "empty tensor")
+    assert all(r.diverged is False for r in rows if r.mode == "tensor")
+
+
+def test_a_clean_pair_has_no_divergence_either_way(dumps):
+    task, (golden, again, _) = dumps
+    full, full_opened = opening(golden=str(golden), target=str(again), full=True)
+    triaged, opened = opening(golden=str(golden), target=str(again))
+    assert full.finding is None and triaged.finding is None
+    assert not triaged.triage.stopped
+    if task == "all":    # identical statistics everywhere: nothing to read
+        assert opened == [] and triaged.triage.read == 0
+        assert {r.mode for r in triaged.rows} <= {"statistics", "no data"}
+    else:                # nothing to decide by: every pair is read, as in the full comparison
+        assert sorted(opened) == sorted(full_opened)
+        assert triaged.triage.read == triaged.triage.pairs
+
+
+def test_cli_says_what_it_read_and_full_reads_everything(dumps, tmp_path, capsys):
+    _, (golden, _, broken) = dumps
+    out = tmp_path / "triage"
+    assert cli.main(["compare", str(golden), str(broken), "-o", str(out), "--no-xlsx",
+                     "--no-html", "--jobs", "1"]) == 0
+    text = capsys.readouterr().out
+    summary = json.loads((out / "atb_compare_summary.json").read_text())
+    assert summary["triage"]["read"] < summary["triage"]["pairs"]
+    assert f"read the data of {summary['triage']['read']} of " in text
+    out = tmp_path / "full"
+    assert cli.main(["compare", str(golden), str(broken), "-o", str(out), "--no-xlsx",
+                     "--no-html", "--jobs", "1", "--full"]) == 0
+    full_text = capsys.readouterr().out
+    full = json.loads((out / "atb_compare_summary.json").read_text())
+    assert full["triage"] is None and "read the data of" not in full_text
+    assert full["first_divergence"] == summary["first_divergence"]
+    assert full["verdict"] == summary["verdict"]
