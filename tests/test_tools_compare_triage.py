@@ -5,6 +5,7 @@ fewer `.bin` files (counted with an audit hook on `open`, in this process: `jobs
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -129,3 +130,32 @@ def test_cli_says_what_it_read_and_full_reads_everything(dumps, tmp_path, capsys
     assert full["triage"] is None and "read the data of" not in full_text
     assert full["first_divergence"] == summary["first_divergence"]
     assert full["verdict"] == summary["verdict"]
+
+
+def _pair(golden_stats, target_stats, shapes=("4x8", "4x8")):
+    from atb_probe.layout import Side
+    from atb_probe.statcsv import Stats
+    from atb_probe.tools.comparison import MatchMethod, RefPair, TensorRef
+
+    def ref(stats, shape):
+        return TensorRef("0_Linear/output.0", "0_1", 0, "float", shape,
+                         None if stats is None else Stats(*stats), "x.bin", 0, "0_Linear",
+                         Side.OUTPUT)
+    return RefPair(ref(golden_stats, shapes[0]), ref(target_stats, shapes[1]), MatchMethod.ID)
+
+
+@pytest.mark.parametrize("golden, target, shapes, tolerance, agreed", [
+    ((1.0, -1.0, 0.1, 2.0), (1.0, -1.0, 0.1, 2.0), ("4x8", "4x8"), 0.0, True),
+    ((1.0, -1.0, 0.1, 2.0), (1.0, -1.0, 0.1, 2.0000001), ("4x8", "4x8"), 0.0, False),
+    ((1.0, -1.0, 0.1, 2.0), (1.0, -1.0, 0.1, 2.0000001), ("4x8", "4x8"), 1e-6, True),
+    ((1.0, -1.0, 0.1, 2.0), (1.0, -1.0, 0.1, 2.1), ("4x8", "4x8"), 1e-6, False),
+    ((0.0, -math.inf, -math.inf, math.inf),) * 2 + (("1x4", "1x4"), 0.0, True),  # a mask
+    ((math.nan, -1.0, math.nan, math.nan),) * 2 + (("4x8", "4x8"), 0.0, False),
+    ((1.0, -1.0, 0.1, 2.0), (1.0, -1.0, 0.1, 2.0), ("4x8", "32"), 0.0, False),
+    (None, (1.0, -1.0, 0.1, 2.0), ("4x8", "4x8"), 0.0, False),       # task: tensor
+    (None, None, ("0", "0"), 0.0, True),                              # empty: nothing to read
+])
+def test_statistics_agree_only_when_they_say_the_same_tensor(golden, target, shapes, tolerance,
+                                                             agreed):
+    from atb_probe.tools.triage import agree
+    assert agree(_pair(golden, target, shapes), tolerance) is agreed

@@ -174,7 +174,7 @@ def triage(work: list[RefPair], spans: list[OpSpan], alone: list[OpRows],
         while True:
             v = verdict(u)
             found = clean_place(v)
-            before = unit_of[sequence[found]] - 1
+            before = -1 if found is None else unit_of[sequence[found]] - 1
             if before < 0 or units[before].read:
                 return v
             take([before])
