@@ -86,17 +86,19 @@ def test_the_triage_names_the_full_compares_first_divergence_from_a_few_files(du
     assert notes == ({AGREED_NOTE, AFTER_NOTE} if task == "all" else {AFTER_NOTE})
 
 
-def test_the_finding_sits_after_a_unit_whose_data_was_read(dumps):
-    """The margin: the layer-level op before the found one was read, though its statistics
-    agree."""
+def test_the_found_layers_inputs_were_read_and_match(dumps):
+    """The margin: the whole layer-level op holding the finding is read, and its inputs
+    match, so nothing that came into it differs."""
     _, (golden, _, broken) = dumps
     result, _ = opening(golden=str(golden), target=str(broken))
     f = result.finding
-    previous = f"{int(PERTURBED.split('_')[0]) - 1}_LlamaDecoderLayer"
-    rows = [r for r in result.rows if r.round_index == f.round_index
-            and r.op_path.split("/")[0] == previous]
-    assert rows and all(r.mode == "tensor" for r in rows if r.note != "empty tensor")
-    assert all(r.diverged is False for r in rows if r.mode == "tensor")
+    inputs = [r for r in result.rows if r.round_index == f.round_index
+              and r.op_path == PERTURBED and r.io == "input"]
+    assert inputs and all(r.mode == "tensor" and r.diverged is False for r in inputs
+                          if r.note != "empty tensor")
+    layer = [r for r in result.rows if r.round_index == f.round_index
+             and r.op_path.split("/")[0] == PERTURBED]
+    assert not any(r.note.startswith("not read") for r in layer)
 
 
 def test_a_clean_pair_has_no_divergence_either_way(dumps):
@@ -159,3 +161,56 @@ def test_statistics_agree_only_when_they_say_the_same_tensor(golden, target, sha
                                                              agreed):
     from atb_probe.tools.triage import agree
     assert agree(_pair(golden, target, shapes), tolerance) is agreed
+
+
+def test_a_difference_statistics_hide_is_traced_back_through_the_layers_inputs():
+    """Layer 1's output differs element by element with the same statistics (a permutation);
+    layer 2's output differs in its statistics too. The triage reads layer 2 first, sees its
+    inputs differ, and reads layer 1 as well: the verdict is the full comparison's."""
+    from atb_probe.layout import Side
+    from atb_probe.statcsv import Stats
+    from atb_probe.tools.compare import _OpSpan
+    from atb_probe.tools.comparison import MatchMethod, PairResult, RefPair, TensorRef, Thresholds
+    from atb_probe.tools.divergence import crosses, judge
+    from atb_probe.tools.metrics import TensorMetrics
+    from atb_probe.tools.triage import triage
+
+    same, moved = Stats(1.0, -1.0, 0.0, 4.0), Stats(1.5, -1.0, 0.1, 5.0)
+    hidden = {"1_Layer/output.0", "2_Layer/input.0", "2_Layer/output.0"}   # cross, read
+    work, spans = [], []
+    for k in range(4):
+        indices = []
+        for io, n in ((Side.INPUT, 0), (Side.OUTPUT, 1)):
+            name = f"{k}_Layer/{io}.0"
+            target = moved if name == "2_Layer/output.0" else same
+            refs = [TensorRef(name, "0_1", 0, "float", "4x8", stats, f"{name}.bin", 2 * k + n,
+                              f"{k}_Layer", io) for stats in (same, target)]
+            indices.append(len(work))
+            work.append(RefPair(*refs, MatchMethod.ID))
+        spans.append(_OpSpan(0, f"{k}_Layer", f"{k}_Layer", indices))
+    reads = []
+
+    def read(indices):
+        reads.extend(indices)
+        out = []
+        for i in indices:
+            p = work[i]
+            row = PairResult(p.golden, p.target, p.match, mode="tensor")
+            cos = 0.5 if p.target.data_name in hidden else 1.0
+            row.metrics = TensorMetrics(cosine=cos, one_thousandth_ratio=cos)
+            out.append(row)
+        return out
+
+    def finish(_, row):
+        row.diverged = crosses(row, Thresholds())
+
+    full_rows = read(range(len(work)))
+    for row in full_rows:
+        finish(0, row)
+    full = judge(span.rows(full_rows) for span in spans).finding
+    assert (full.op_path, full.inputs) == ("1_Layer", "clean")
+    reads.clear()
+    triaged = triage(work, spans, [], read, finish)
+    assert triaged.verdict.finding.summary() == full.summary()
+    assert sorted(reads) == [2, 3, 4, 5]     # layers 1 and 2; never 0 nor 3
+    assert not triaged.report.stopped and triaged.report.units_read == 2

@@ -16,9 +16,12 @@ inside it: one layer of one round, or of one request's slice of a round), and
   from ranks, shapes that differ), exactly as the full comparison does;
 * stops as soon as the judge over the units walked so far has an op whose outputs cross and
   whose inputs are clean, and no unit not yet walked has an op that finished before it: the
-  verdict is settled. The *margin*: the unit before the found op's unit is read too (even when
-  its statistics agree), and the walk goes further back while reading moves the finding
-  there, so the finding always sits right after a unit whose tensors were read;
+  verdict is settled. The *margin*: the found op's whole unit is read, its layer-level op's
+  inputs included; when one of those inputs does not match (or could not be compared), the
+  difference came in from before, and the unit before is read too (even when its statistics
+  agree), and so on back, so the finding always sits in a unit whose inputs were read and
+  match. At the end of a walk that found no such op, the first crossing op (whose inputs
+  differ) is traced back the same way;
 * leaves the units after the stop unread: their rows carry their statistics where the csv has
   them, or no data, with a note; they are not judged (the verdict is already settled).
 
@@ -27,7 +30,7 @@ is read, so the verdict is the full comparison's. With statistics, a unit is ski
 statistics say its tensors are the same; two tensors with identical max, min, mean and norm can
 still differ element by element (a permutation, a transposed square weight, errors that cancel
 in every sum): such a difference is missed unless it also changes a tensor elsewhere in its
-unit or in the unit after it. A `tolerance` above 0 skips units that differ by float noise
+unit, or reaches the next unit's inputs. A `tolerance` above 0 skips units that differ by float noise
 (a rerun on a non-deterministic device) and misses more; `compare --full` reads everything.
 When no op crosses with clean inputs, the walk reads every unit whose statistics do not agree,
 so a comparison of two implementations (noise in every tensor) costs what a full one costs.
@@ -40,7 +43,7 @@ from typing import Callable, Protocol
 
 from ..statcsv import is_empty_shape
 from .comparison import PairMode, PairResult, RefPair, TensorRef
-from .divergence import OpRows, Verdict, judge
+from .divergence import Finding, OpRows, Verdict, is_unknown, judge
 from .metrics import stats_metrics
 
 AGREED_NOTE = "not read: both sides' statistics agree (--full reads the data)"
@@ -169,23 +172,35 @@ def triage(work: list[RefPair], spans: list[OpSpan], alone: list[OpRows],
                      for j in sequence if unit_of[j] < upto)
 
     def margin() -> Verdict:
-        """The settled verdict once the unit before the finding's is read (see the module
-        docstring)."""
+        """The settled verdict once the units before the finding's are read back to one whose
+        layer-level op's inputs match (see the module docstring)."""
         while True:
             v = verdict(u)
-            found = clean_place(v)
+            found = clean_place(v) if v.finding is None or v.finding.inputs_clean \
+                or v.finding.then_clean else place_of(v.finding)
             before = -1 if found is None else unit_of[sequence[found]] - 1
-            if before < 0 or units[before].read:
+            if before < 0 or units[before].read or inputs_match(before + 1):
                 return v
             take([before])
+
+    def inputs_match(k: int) -> bool:
+        """Whether the inputs of unit k's layer-level op were compared and none crosses: then
+        nothing that came into the unit from before it differs."""
+        layer = next((j for j in units[k].ops if not isinstance(entries[j], OpRows)
+                      and "/" not in first_rows[j].op_path), None)
+        if layer is None:        # the layer-level op itself was not dumped
+            return False
+        inputs = entries[layer].rows(rows).inputs
+        return bool(inputs) and not any(r.diverged or is_unknown(r) for r in inputs)
 
     def clean_place(v: Verdict) -> int | None:
         """The place of the verdict's op that crosses with clean inputs, if it has one."""
         f = v.finding
         clean = f if f is not None and f.inputs_clean else (f and f.then_clean)
-        if clean is None:
-            return None
-        key = (clean.round_index, clean.op_path, clean.request, clean.positions)
+        return None if clean is None else place_of(clean)
+
+    def place_of(f: Finding) -> int:
+        key = (f.round_index, f.op_path, f.request, f.positions)
         return next(place[j] for j in sequence if (
             first_rows[j].round_index, first_rows[j].op_path, first_rows[j].request,
             first_rows[j].positions) == key)
@@ -203,8 +218,8 @@ def triage(work: list[RefPair], spans: list[OpSpan], alone: list[OpRows],
         if found is not None and (u == len(units) or found < units[u].first):
             result = margin()
     stopped = result is not None and u < len(units)
-    if result is None:
-        result = verdict(u)
+    if result is None:       # walked to the end: a finding whose inputs differ is traced back
+        result = margin()
     if advance:
         advance(sum(not d for d in done))
     report = TriageReport(len(work), sum(done), len(units), sum(x.read for x in units),
