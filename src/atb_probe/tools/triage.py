@@ -14,14 +14,12 @@ inside it: one layer of one round, or of one request's slice of a round), and
 * reads every tensor of any other unit (a pair whose statistics differ, or that statistics
   cannot decide: no statistics (`task: tensor`), a derived or token-cut tensor, a tensor joined
   from ranks, shapes that differ), exactly as the full comparison does;
+* reads back from every unit it reads whose layer-level op's inputs do not match (or could
+  not be compared): the difference came in from before, so the unit before is read too, even
+  when its statistics agree, and so on back to a unit whose inputs match (the *margin*);
 * stops as soon as the judge over the units walked so far has an op whose outputs cross and
   whose inputs are clean, and no unit not yet walked has an op that finished before it: the
-  verdict is settled. The *margin*: the found op's whole unit is read, its layer-level op's
-  inputs included; when one of those inputs does not match (or could not be compared), the
-  difference came in from before, and the unit before is read too (even when its statistics
-  agree), and so on back, so the finding always sits in a unit whose inputs were read and
-  match. At the end of a walk that found no such op, the first crossing op (whose inputs
-  differ) is traced back the same way;
+  verdict is settled, and its op sits in a unit whose inputs were read and match;
 * leaves the units after the stop unread: their rows carry their statistics where the csv has
   them, or no data, with a note; they are not judged (the verdict is already settled).
 
@@ -29,9 +27,10 @@ What it promises. With no statistics in the dump (`task: tensor`), every unit up
 is read, so the verdict is the full comparison's. With statistics, a unit is skipped only when
 statistics say its tensors are the same; two tensors with identical max, min, mean and norm can
 still differ element by element (a permutation, a transposed square weight, errors that cancel
-in every sum): such a difference is missed unless it also changes a tensor elsewhere in its
-unit, or reaches the next unit's inputs. A `tolerance` above 0 skips units that differ by float noise
-(a rerun on a non-deterministic device) and misses more; `compare --full` reads everything.
+in every sum): such a difference is missed unless it also changes the statistics of a tensor
+elsewhere in its unit, or reaches the inputs of a unit that is read. A `tolerance` above 0
+skips units that differ by float noise (a rerun on a non-deterministic device) and misses
+more; `compare --full` reads everything.
 When no op crosses with clean inputs, the walk reads every unit whose statistics do not agree,
 so a comparison of two implementations (noise in every tensor) costs what a full one costs.
 """
@@ -155,16 +154,26 @@ def triage(work: list[RefPair], spans: list[OpSpan], alone: list[OpRows],
     place = {j: p for p, j in enumerate(sequence)}
     done = [False] * len(work)
 
-    def take(us: list[int]) -> None:
-        indices = [i for u in us for i in units[u].indices if not done[i]]
-        for u in us:
-            units[u].read = True
+    def take(k: int) -> bool:
+        """Read unit k; whether a row of it crosses."""
+        indices = [i for i in units[k].indices if not done[i]]
+        units[k].read = True
         for i, row in zip(indices, read(indices) if indices else []):
             finish(i, row)
             rows[i] = row
             done[i] = True
         if advance:
             advance(len(indices))
+        return any(rows[i].diverged for i in units[k].indices)
+
+    def back(k: int) -> bool:
+        """Read the units before unit k back to one whose layer-level op's inputs match (the
+        margin); whether a row of them crosses."""
+        crossed = False
+        while k > 0 and not units[k - 1].read and not inputs_match(k):
+            k -= 1
+            crossed = take(k) or crossed
+        return crossed
 
     def verdict(upto: int) -> Verdict:
         """The judge over the units before `upto` (in execution order)."""
@@ -178,10 +187,8 @@ def triage(work: list[RefPair], spans: list[OpSpan], alone: list[OpRows],
             v = verdict(u)
             found = clean_place(v) if v.finding is None or v.finding.inputs_clean \
                 or v.finding.then_clean else place_of(v.finding)
-            before = -1 if found is None else unit_of[sequence[found]] - 1
-            if before < 0 or units[before].read or inputs_match(before + 1):
+            if found is None or not back(unit_of[sequence[found]]):
                 return v
-            take([before])
 
     def inputs_match(k: int) -> bool:
         """Whether the inputs of unit k's layer-level op were compared and none crosses: then
@@ -211,8 +218,8 @@ def triage(work: list[RefPair], spans: list[OpSpan], alone: list[OpRows],
         u += 1
         if unit.agreed:
             continue
-        take([u - 1])
-        if not any(rows[i].diverged for i in unit.indices):
+        crossed = take(u - 1)
+        if not back(u - 1) and not crossed:
             continue        # nothing read crosses: no op of it can be the finding
         found = clean_place(verdict(u))
         if found is not None and (u == len(units) or found < units[u].first):
