@@ -193,7 +193,7 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
                          finding, list(numbers), alignment.name_matched, scan_compared(rows),
                          max(1, jobs), verdict.unjudged, alignment.pairing.text(),
                          chosen.opmap.title() if chosen else "",
-                         ranks.summary if ranks is not None else None, report)
+                         ranks.summary if ranks is not None else None, triage=report)
 
 
 def _refs(pair, ranks) -> tuple[TensorRef, TensorRef]:
