@@ -127,43 +127,46 @@ class OpWalker:
         if top is None or top.below is not _TRACK:
             return func(*args, **kwargs)
         rnd = self.tls.round
-        frame = None
-        allocates = False
+        frame = kernel = None
         try:
-            op_name, name, params, written, allocates, collective, factory = kernel_info(func)
+            kernel = kernel_info(func)
+            name = kernel.name
             index = top.children
-            top.children += 1
+            top.children = index + 1
             op_id = f"{top.op_id}_{index}"
             full_name = f"{top.full_name}/{name}"
-            dump = rnd.selection.child_selected(op_id, full_name, name,
-                                                top.dump_children).dump
+            dump = top.dump_children or \
+                rnd.selection.child_selected(op_id, full_name, name, False).dump
             if dump:
                 rnd.selected += 1
             # Neither written nor described in a structure file (and writing to nothing that
             # filter_level 1 may refer to): the kernel only takes its ID.
             record = dump or top.collect
+            written = kernel.written
             if record or written:
                 frame = OpFrame(op_id, name, full_name,
                                 layout.child_op_dir(top.rel, index, name), dump, False,
                                 _UNSEEN, top.layer, top.collect)
-                pairs = bind_args(params, args, kwargs)
+                pairs = None
                 if record:
-                    frame.record = self.recorder.kernel_inputs(rnd, frame, op_name, pairs,
-                                                               bool(written), factory)
+                    frame.record, pairs = self.recorder.kernel_inputs(rnd, frame, kernel, args,
+                                                                      kwargs)
                 if written:
+                    if pairs is None:
+                        pairs = bind_args(kernel.params, args, kwargs)
                     self.recorder.forget_written(frame.layer, pairs, written)
         except Exception as exc:
             self.source.report(exc)
             frame = None
         out = func(*args, **kwargs)
-        if allocates:
+        if kernel is not None and kernel.allocates:
             self.recorder.allocated(top.layer, out)
         if frame is not None:
             try:
-                if dump and collective:
-                    _wait_for_collective(op_name, out)
+                if dump and kernel.collective:
+                    _wait_for_collective(kernel.op_name, out)
                 if record:
-                    self.recorder.kernel_outputs(rnd, frame, op_name, out,
+                    self.recorder.kernel_outputs(rnd, frame, kernel.op_name, out,
                                                  _written_values(pairs, written, out))
                     self.recorder.child_done(top, frame)
             except Exception as exc:
