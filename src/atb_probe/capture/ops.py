@@ -11,10 +11,12 @@ import torch
 
 from .. import layout
 from ..selection import LayerPlan, SKIP_LAYER
-from .arguments import bind_args
+from ..layout import INPUT
+from .arguments import bind_args, kernel_tensors
 from .frames import Below, Frame, OpFrame, RoundRun
 from .kernels import KernelCapture, kernel_info
 from .models import ModuleInfo
+from .recorder import bound_tensors
 
 _UNSEEN, _CONTAINER, _TRACK = Below.UNSEEN, Below.CONTAINER, Below.TRACK
 
@@ -139,6 +141,9 @@ class OpWalker:
                 rnd.selection.child_selected(op_id, full_name, name, False).dump
             if dump:
                 rnd.selected += 1
+                if not top.collect and rnd.record.statistics_only:
+                    return self.statistics_kernel_call(rnd, top, kernel, index, op_id, full_name,
+                                                       func, args, kwargs)
             # Neither written nor described in a structure file (and writing to nothing that
             # filter_level 1 may refer to): the kernel only takes its ID.
             record = dump or top.collect
@@ -166,9 +171,45 @@ class OpWalker:
                 if dump and kernel.collective:
                     _wait_for_collective(kernel.op_name, out)
                 if record:
-                    self.recorder.kernel_outputs(rnd, frame, kernel.op_name, out,
+                    self.recorder.kernel_outputs(rnd, frame, kernel, out,
                                                  _written_values(pairs, written, out))
                     self.recorder.child_done(top, frame)
+            except Exception as exc:
+                self.source.report(exc)
+        return out
+
+    def statistics_kernel_call(self, rnd: RoundRun, top: OpFrame, kernel, index: int,
+                               op_id: str, full_name: str, func, args, kwargs):
+        """`kernel_call` of a dumped kernel whose sides are only statistic.csv rows (a
+        statistics dump, no structure collected, no per-request rows): no frame and no record
+        of it; its rows come from what this call holds (`Recorder.kernel_side`)."""
+        recorder = self.recorder
+        layer = top.layer
+        written = kernel.written
+        names = (full_name, kernel.name, op_id)
+        pairs = seen = None
+        recorded = False
+        try:
+            tensors = None if written else kernel_tensors(kernel.params, args, kwargs)
+            if tensors is None:
+                pairs = bind_args(kernel.params, args, kwargs)
+                tensors = bound_tensors(pairs)
+            seen = recorder.kernel_side(rnd, layer, names, INPUT, tensors, kernel)
+            if written:
+                recorder.forget_written(layer, pairs, written)
+            recorded = True
+        except Exception as exc:
+            self.source.report(exc)
+        out = func(*args, **kwargs)
+        if kernel.allocates:
+            recorder.allocated(layer, out)
+        if recorded:
+            try:
+                if kernel.collective:
+                    _wait_for_collective(kernel.op_name, out)
+                recorder.kernel_output_statistics(
+                    rnd, layer, names, kernel, out, _written_values(pairs, written, out), seen,
+                    lambda: layout.child_op_dir(top.rel, index, kernel.name))
             except Exception as exc:
                 self.source.report(exc)
         return out

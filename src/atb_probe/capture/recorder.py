@@ -264,7 +264,9 @@ class Recorder:
             if tensors is not None:
                 record.inputs = len(tensors)
                 if frame.dump:
-                    self.kernel_side(rnd, frame, record, INPUT, tensors)
+                    record.inputs_seen = self.kernel_side(
+                        rnd, frame.layer, (frame.full_name, frame.name, frame.op_id), INPUT,
+                        tensors, kernel)
                 return record, None
         pairs = bind_args(kernel.params, args, kwargs)
         items = []
@@ -286,23 +288,19 @@ class Recorder:
                                 "args": described}
         return record, pairs
 
-    def kernel_outputs(self, rnd, frame, op_name: str, out, written: list) -> None:
+    def kernel_outputs(self, rnd, frame, kernel, out, written: list) -> None:
         """A kernel's outputs: what it returned, then the arguments it wrote (`written`: their
         (name, tensor), values after the kernel)."""
         record = frame.record
+        op_name = kernel.op_name
         if rnd.record.statistics_only:
-            tensors = [out] if isinstance(out, torch.Tensor) else \
-                [t for _, t in _output_items(out)]
-            if written:
-                tensors += [t for _, t in written]
-            record.outputs = len(tensors)
             if frame.dump:
-                self.kernel_side(rnd, frame, record, OUTPUT, tensors)
-                uninit = _uninitialized(frame.layer, tensors, record.writes_args)
-                if uninit:  # the one thing the tools must know of a statistics dump's kernel
-                    self.sink.put(JsonJob(layout.op_dir(rnd.record.rel, frame.rel),
-                                          layout.OP_PARAM, {"op": op_name, "type": frame.name,
-                                                            "uninitialized": uninit}))
+                self.kernel_output_statistics(
+                    rnd, frame.layer, (frame.full_name, frame.name, frame.op_id), kernel, out,
+                    written, record.inputs_seen, lambda: frame.rel)
+            # (The structure files count what the kernel returned and wrote.)
+            record.outputs = (1 if isinstance(out, torch.Tensor) else
+                              len(_output_items(out))) + len(written)
             return
         # Most kernels return one tensor.
         items = [("", out)] if isinstance(out, torch.Tensor) else _output_items(out)
@@ -438,11 +436,16 @@ class Recorder:
                     self._request_rows.queue(rnd.record, [request_record])
         return labels
 
-    def kernel_side(self, rnd, frame, record: OpRecord, side: str, tensors: list) -> None:
+    def kernel_side(self, rnd, layer: LayerRecord | None, names: tuple, side: str,
+                    tensors: list, kernel, inputs_seen=None):
         """`write_side` of a kernel's side in a statistics dump without request_statistic.csv
-        (`RoundRecord.statistics_only`): the same side record, in fewer steps. Most sides of a
-        `save_child` dump are kernels', and a kernel's rows are indexed by position, so its
-        tensors come without labels (`arguments.kernel_tensors`)."""
+        (`RoundRecord.statistics_only`): the same side record, in fewer steps, from what the
+        kernel call holds (no frame or record needed: see `OpWalker.statistics_kernel_call`).
+        Most sides of a `save_child` dump are kernels'; a kernel's rows are indexed by
+        position, so its tensors come without labels (`arguments.kernel_tensors`).
+
+        `names`: the kernel's (Op Name, Op Type, Op Id); `kernel`: its `kernels.Kernel`;
+        `inputs_seen`: for its outputs, what its inputs left. Returns that, for its inputs."""
         dumpable, dtypes, indexes = [], [], []
         for i, t in enumerate(tensors):
             cls = type(t)
@@ -454,39 +457,52 @@ class Recorder:
                     t, _ = local_of(t)
                 dt = dumpable_dtype(t)
             if dt is None:
-                _skipped(t, frame)
+                _skipped_in(t, names[0])
                 continue
             dumpable.append(t)
             dtypes.append(dt)
             indexes.append(i)
-        layer = frame.layer
         # A factory's outputs are not kept for later: their statistics are computed now, in a
         # queue of their own (see `Kernel.factory`).
-        at_once = side == OUTPUT and record.factory
+        at_once = side == OUTPUT and kernel.factory
         queue = self.stats.new_queue() if at_once else self._queue(layer)
         if side == INPUT:
-            stats, record.inputs_seen = self.stats.side(
-                queue, dumpable, remember_inputs=not record.writes_args)
+            stats, inputs_seen = self.stats.side(queue, dumpable,
+                                                 remember_inputs=not kernel.written)
         else:
             stats, _ = self.stats.side(queue, dumpable, kernel_output=True,
-                                       inputs_seen=record.inputs_seen)
+                                       inputs_seen=inputs_seen)
         # Deferred only where every in-place kernel is seen (see forget_written).
         if at_once or layer is None or not layer.deferred or queue.nbytes > MAX_PENDING_BYTES:
             queue.resolve()
-        if not dumpable:
-            return
-        rows = []
-        for i, t, dt, st in zip(indexes, dumpable, dtypes, stats):
-            rows += (_INDEX[i] if i < 64 else str(i), dt.csv_name, shape_cell(t.shape), st,
-                     None)
-        record_of_round = rnd.record
-        record_of_round.wrote = True
-        side_record = (*record_of_round.head, frame.full_name, frame.name, frame.op_id, side,
-                       *rows)
-        if layer is not None:
-            layer.rows.append(side_record)
-        else:
-            self._rows.queue(record_of_round, [side_record])
+        if dumpable:
+            rows = []
+            for i, t, dt, st in zip(indexes, dumpable, dtypes, stats):
+                rows += (_INDEX[i] if i < 64 else str(i), dt.csv_name, shape_cell(t.shape), st,
+                         None)
+            round_record = rnd.record
+            round_record.wrote = True
+            side_record = (*round_record.head, *names, side, *rows)
+            if layer is not None:
+                layer.rows.append(side_record)
+            else:
+                self._rows.queue(round_record, [side_record])
+        return inputs_seen
+
+    def kernel_output_statistics(self, rnd, layer, names: tuple, kernel, out, written: list,
+                                 inputs_seen, rel) -> None:
+        """A kernel's outputs in a statistics dump, its frame-less way (`kernel_side`): what it
+        returned, then the arguments it wrote (`written`); `rel()`: its op folder, for the
+        op_param.json of outputs over uninitialised memory."""
+        tensors = [out] if isinstance(out, torch.Tensor) else [t for _, t in _output_items(out)]
+        if written:
+            tensors += [t for _, t in written]
+        self.kernel_side(rnd, layer, names, OUTPUT, tensors, kernel, inputs_seen)
+        uninit = _uninitialized(layer, tensors, bool(kernel.written))
+        if uninit:  # the one thing the tools must know of a statistics dump's kernel
+            self.sink.put(JsonJob(layout.op_dir(rnd.record.rel, rel()), layout.OP_PARAM,
+                                  {"op": kernel.op_name, "type": names[1],
+                                   "uninitialized": uninit}))
 
     def _request_cells(self, tokens: TokenLayout, queue: Queue, tensors: list) -> list:
         """Statistics cells of each request's slice of the tensors that have the round's token
@@ -643,6 +659,13 @@ def _output_items(out) -> list:
     return items
 
 
+def bound_tensors(pairs) -> list:
+    """The tensors of a call's bound arguments, in the order of its rows."""
+    items = []
+    _tensors_of(pairs, items)
+    return [t for _, t in items]
+
+
 def _tensors_of(pairs, items: list) -> None:
     """`flatten` of each (name, value) pair into `items`, without rendering the other
     values as parameters."""
@@ -697,9 +720,13 @@ def _uninitialized(layer, tensors: list, writes_args: bool) -> list[str]:
 
 
 def _skipped(t, frame) -> None:
+    _skipped_in(t, frame.full_name)
+
+
+def _skipped_in(t, full_name: str) -> None:
     log.warn_once(f"skip-{type(t).__name__}-{getattr(t, 'dtype', '')}",
                   f"cannot dump a {type(t).__name__} of dtype {getattr(t, 'dtype', '?')} "
-                  f"({frame.full_name}); skipped")
+                  f"({full_name}); skipped")
 
 
 def _lookup(layer, key, t):
