@@ -62,7 +62,7 @@ def bind_args(params: tuple, args: tuple, kwargs: dict) -> list[tuple[str, objec
 def kernel_tensors(params: tuple, args: tuple, kwargs: dict) -> list | None:
     """The tensors of a kernel call in `bind_args` order, without binding names to them: what a
     statistics dump records of a kernel's inputs (a kernel's rows are indexed by position).
-    None where a value needs `recorder._tensors_of`'s walk (a container that is neither a list
+    None where a value needs `recorder.bound_tensors`' walk (a container that is neither a list
     of tensors nor of numbers), so the caller binds the arguments instead."""
     out = []
     for value in args:

@@ -130,6 +130,7 @@ class OpWalker:
             return func(*args, **kwargs)
         rnd = self.tls.round
         frame = kernel = None
+        rows_only = False
         try:
             kernel = kernel_info(func)
             name = kernel.name
@@ -141,14 +142,12 @@ class OpWalker:
                 rnd.selection.child_selected(op_id, full_name, name, False).dump
             if dump:
                 rnd.selected += 1
-                if not top.collect and rnd.record.statistics_only:
-                    return self.statistics_kernel_call(rnd, top, kernel, index, op_id, full_name,
-                                                       func, args, kwargs)
+            rows_only = dump and not top.collect and rnd.record.statistics_only
             # Neither written nor described in a structure file (and writing to nothing that
             # filter_level 1 may refer to): the kernel only takes its ID.
             record = dump or top.collect
             written = kernel.written
-            if record or written:
+            if (record or written) and not rows_only:
                 frame = OpFrame(op_id, name, full_name,
                                 layout.child_op_dir(top.rel, index, name), dump, False,
                                 _UNSEEN, top.layer, top.collect)
@@ -163,6 +162,10 @@ class OpWalker:
         except Exception as exc:
             self.source.report(exc)
             frame = None
+            rows_only = False
+        if rows_only:  # outside the `try`: the model's own errors are not the probe's
+            return self.statistics_kernel_call(rnd, top, kernel, index, op_id, full_name, func,
+                                               args, kwargs)
         out = func(*args, **kwargs)
         if kernel is not None and kernel.allocates:
             self.recorder.allocated(top.layer, out)
