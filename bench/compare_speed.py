@@ -12,8 +12,9 @@ Without --golden/--target it dumps the `small` workload of workload.py twice (fl
 seed; the target with one projection scaled by 1%, or, with `--bf16-target`, the same model in
 bfloat16) with `task: tensor`, `save_child: true` and `filter_level: 0`, so every `.bin` holds
 its bytes and the bytes read are the files' sizes. With `--cli`, compare is timed end to end as
-`atb-probe compare GOLDEN TARGET --no-xlsx --no-html --jobs N` in a new process (its start
-included), as a user runs it.
+`atb-probe compare GOLDEN TARGET --no-xlsx --no-html --full --jobs N` in a new process (its
+start included), as a user runs it. Compare reads every pair (`--full`): this measures reading,
+not the statistics-first triage (bench/compare_scale.py measures that).
 Before timing, every file is read once, so the numbers are those of page-cached files: what is
 measured is the tool, not the disk. Each measurement runs in a fresh subprocess (its peak RSS,
 and that of its largest worker, are its own).
@@ -166,7 +167,8 @@ def _measure_cli(jobs: int, golden: str, target: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         run = subprocess.run([sys.executable, "-m", "atb_probe.cli", "compare", golden, target,
-                              "--no-xlsx", "--no-html", "--jobs", str(jobs), "--output", out],
+                              "--no-xlsx", "--no-html", "--full", "--jobs", str(jobs),
+                              "--output", out],
                              capture_output=True, text=True)
         wall = time.perf_counter() - start
     if run.returncode != 0:
@@ -198,7 +200,7 @@ def _one(what: str, jobs: str, paths: str) -> int:
     watcher.start()
     start, cpu = time.perf_counter(), time.process_time()
     if what == "compare":
-        result = compare_dumps(golden, target, jobs=int(jobs))
+        result = compare_dumps(golden, target, jobs=int(jobs), full=True)
         tensors = len(result.rows)
     else:
         tensors = sum(r.tensors for r in scan_dump(target, jobs=int(jobs)))
@@ -243,7 +245,7 @@ def _profile(golden: str, target: str) -> int:
     _warm(target)
     prof = cProfile.Profile()
     prof.enable()
-    compare_dumps(golden, target, jobs=1)
+    compare_dumps(golden, target, jobs=1, full=True)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     return 0

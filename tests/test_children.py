@@ -346,6 +346,7 @@ def test_the_memory_the_statistics_cache_holds_stays_bounded_however_many_rounds
     {"save_child": True},                                   # every child module and kernel
     {"save_child": True, "op_name": "no_such_op"},          # tracked, nothing written
     {"save_child": True, "task": "tensor", "filter_level": 1},
+    {"save_child": True, "task": "statistics"},             # kernels' rows without frames
 ])
 def test_an_exception_in_the_model_passes_through_once_and_the_probe_goes_on(tmp_path, capfd,
                                                                              overrides):

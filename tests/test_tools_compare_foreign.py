@@ -116,12 +116,13 @@ def trees(tmp_path):
 
 def test_a_foreign_tree_is_compared_and_the_wrong_kernel_named(trees):
     golden, target = trees
-    result = compare_dumps(str(golden), str(target))
+    result = compare_dumps(str(golden), str(target), full=True)
     assert result.unmatched == []
     assert len(result.rows) == 14 and {r.mode for r in result.rows} == {"tensor"}
     f = result.finding
     assert f is not None and f.inputs_clean
     assert f.op_path == "1_LinearOperation/0_MatMulV2Kernel"
+    assert compare_dumps(str(golden), str(target)).finding.summary() == f.summary()
     assert f.row.name == "1_LinearOperation/0_MatMulV2Kernel/output.0_y"
     by_name = {r.name: r for r in result.rows}
     # Reference files are compared through the bytes they point at.

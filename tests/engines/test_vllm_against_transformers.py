@@ -53,7 +53,7 @@ def test_same_weights_compare_with_no_flags_finds_no_divergence_in_any_layer(
     assert "no divergence" in shown.stdout, shown.stdout
     assert "could not be matched" not in shown.stdout, shown.stdout
 
-    result = compare_dumps(str(g_root), str(t_root))
+    result = compare_dumps(str(g_root), str(t_root), full=True)   # every row's metrics
     rounds = {r.round_index for r in result.rows}
     layers = decoder_layer_rows(result)
     # Each round: both layers' input (hidden + residual) and output (the two outputs' sum).

@@ -71,7 +71,7 @@ def test_same_weights_batched_differently_diverge_nowhere_and_every_layer_is_com
     summary = summary_of(g_root, t_root, tmp_path / "cmp")
     assert summary["diverged"] is False, summary["verdict"]
 
-    result = compare_dumps(str(g_root), str(t_root))
+    result = compare_dumps(str(g_root), str(t_root), full=True)   # every row's metrics
     layers = [r for r in result.rows if r.layer.endswith("_" + LAYERS[family])
               and r.op_path == r.layer and r.io == "output"]
     # Every request's every step through every decoder layer, compared element by element on

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 _PARAMS_CACHE: dict = {}
+_TENSOR = torch.Tensor
+# Argument types that never hold a tensor, and the numbers of size and stride lists.
+_NO_TENSOR = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device,
+                        torch.layout, torch.memory_format})
+_NUMBERS = frozenset({bool, int, float})
 
 
 def forward_params(cls) -> tuple:
@@ -50,3 +57,52 @@ def bind_args(params: tuple, args: tuple, kwargs: dict) -> list[tuple[str, objec
             if name not in ordered:
                 pairs.append((name, value))
     return pairs
+
+
+def kernel_tensors(params: tuple, args: tuple, kwargs: dict) -> list | None:
+    """The tensors of a kernel call in `bind_args` order, without binding names to them: what a
+    statistics dump records of a kernel's inputs (a kernel's rows are indexed by position).
+    None where a value needs `recorder.bound_tensors`' walk (a container that is neither a list
+    of tensors nor of numbers), so the caller binds the arguments instead."""
+    out = []
+    for value in args:
+        cls = type(value)
+        if cls in _NO_TENSOR:
+            continue
+        if cls is _TENSOR or isinstance(value, _TENSOR):
+            out.append(value)
+        elif cls is list or cls is tuple:
+            if not _tensors_of_list(value, out):
+                return None
+        else:
+            return None
+    if kwargs:
+        found = 0
+        for name in params[2]:
+            if name in kwargs:
+                found += 1
+                value = kwargs[name]
+                cls = type(value)
+                if cls in _NO_TENSOR:
+                    continue
+                if cls is _TENSOR or isinstance(value, _TENSOR):
+                    out.append(value)
+                elif cls is list or cls is tuple:
+                    if not _tensors_of_list(value, out):
+                        return None
+                else:
+                    return None
+        if found != len(kwargs):  # a keyword the schema does not name: bound after the rest
+            return None
+    return out
+
+
+def _tensors_of_list(value, out: list) -> bool:
+    """Append a list argument's tensors (a list of tensors, or of numbers: none); False for
+    anything else."""
+    if not value:
+        return True
+    if all(type(v) is _TENSOR for v in value):
+        out.extend(value)
+        return True
+    return all(type(v) in _NUMBERS for v in value)

@@ -11,10 +11,12 @@ import torch
 
 from .. import layout
 from ..selection import LayerPlan, SKIP_LAYER
-from .arguments import bind_args
+from ..layout import INPUT
+from .arguments import bind_args, kernel_tensors
 from .frames import Below, Frame, OpFrame, RoundRun
 from .kernels import KernelCapture, kernel_info
 from .models import ModuleInfo
+from .recorder import bound_tensors
 
 _UNSEEN, _CONTAINER, _TRACK = Below.UNSEEN, Below.CONTAINER, Below.TRACK
 
@@ -127,45 +129,90 @@ class OpWalker:
         if top is None or top.below is not _TRACK:
             return func(*args, **kwargs)
         rnd = self.tls.round
-        frame = None
-        allocates = False
+        frame = kernel = None
+        rows_only = False
         try:
-            op_name, name, params, written, allocates, collective, factory = kernel_info(func)
+            kernel = kernel_info(func)
+            name = kernel.name
             index = top.children
-            top.children += 1
+            top.children = index + 1
             op_id = f"{top.op_id}_{index}"
             full_name = f"{top.full_name}/{name}"
-            dump = rnd.selection.child_selected(op_id, full_name, name,
-                                                top.dump_children).dump
+            dump = top.dump_children or \
+                rnd.selection.child_selected(op_id, full_name, name, False).dump
             if dump:
                 rnd.selected += 1
+            rows_only = dump and not top.collect and rnd.record.statistics_only
             # Neither written nor described in a structure file (and writing to nothing that
             # filter_level 1 may refer to): the kernel only takes its ID.
             record = dump or top.collect
-            if record or written:
+            written = kernel.written
+            if (record or written) and not rows_only:
                 frame = OpFrame(op_id, name, full_name,
                                 layout.child_op_dir(top.rel, index, name), dump, False,
                                 _UNSEEN, top.layer, top.collect)
-                pairs = bind_args(params, args, kwargs)
+                pairs = None
                 if record:
-                    frame.record = self.recorder.kernel_inputs(rnd, frame, op_name, pairs,
-                                                               bool(written), factory)
+                    frame.record, pairs = self.recorder.kernel_inputs(rnd, frame, kernel, args,
+                                                                      kwargs)
                 if written:
+                    if pairs is None:
+                        pairs = bind_args(kernel.params, args, kwargs)
                     self.recorder.forget_written(frame.layer, pairs, written)
         except Exception as exc:
             self.source.report(exc)
             frame = None
+            rows_only = False
+        if rows_only:  # outside the `try`: the model's own errors are not the probe's
+            return self.statistics_kernel_call(rnd, top, kernel, index, op_id, full_name, func,
+                                               args, kwargs)
         out = func(*args, **kwargs)
-        if allocates:
+        if kernel is not None and kernel.allocates:
             self.recorder.allocated(top.layer, out)
         if frame is not None:
             try:
-                if dump and collective:
-                    _wait_for_collective(op_name, out)
+                if dump and kernel.collective:
+                    _wait_for_collective(kernel.op_name, out)
                 if record:
-                    self.recorder.kernel_outputs(rnd, frame, op_name, out,
+                    self.recorder.kernel_outputs(rnd, frame, kernel, out,
                                                  _written_values(pairs, written, out))
                     self.recorder.child_done(top, frame)
+            except Exception as exc:
+                self.source.report(exc)
+        return out
+
+    def statistics_kernel_call(self, rnd: RoundRun, top: OpFrame, kernel, index: int,
+                               op_id: str, full_name: str, func, args, kwargs):
+        """`kernel_call` of a dumped kernel whose sides are only statistic.csv rows (a
+        statistics dump, no structure collected, no per-request rows): no frame and no record
+        of it; its rows come from what this call holds (`Recorder.kernel_side`)."""
+        recorder = self.recorder
+        layer = top.layer
+        written = kernel.written
+        names = (full_name, kernel.name, op_id)
+        pairs = seen = None
+        recorded = False
+        try:
+            tensors = None if written else kernel_tensors(kernel.params, args, kwargs)
+            if tensors is None:
+                pairs = bind_args(kernel.params, args, kwargs)
+                tensors = bound_tensors(pairs)
+            seen = recorder.kernel_side(rnd, layer, names, INPUT, tensors, kernel)
+            if written:
+                recorder.forget_written(layer, pairs, written)
+            recorded = True
+        except Exception as exc:
+            self.source.report(exc)
+        out = func(*args, **kwargs)
+        if kernel.allocates:
+            recorder.allocated(layer, out)
+        if recorded:
+            try:
+                if kernel.collective:
+                    _wait_for_collective(kernel.op_name, out)
+                recorder.kernel_output_statistics(
+                    rnd, layer, names, kernel, out, _written_values(pairs, written, out), seen,
+                    lambda: layout.child_op_dir(top.rel, index, kernel.name))
             except Exception as exc:
                 self.source.report(exc)
         return out

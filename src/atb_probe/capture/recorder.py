@@ -29,13 +29,14 @@ import torch
 
 from .. import layout, log
 from ..binfile import encode_header, encode_reference
+from ..config import Task
 from ..layout import INPUT, OUTPUT
 from ..naming import sanitize
 from ..record.jobs import JsonJob, RowsJob, TensorFileJob
 from ..statcsv import (DERIVED_FILE_NAME, FILE_NAME as CSV_FILE, HEADER, REQUEST_FILE_NAME,
                        REQUEST_HEADER, shape_cell, side_rows, tensor_path_cell)
 from ..tokens import Arrangement, TokenLayout
-from .arguments import bind_args
+from .arguments import bind_args, kernel_tensors
 from .stats_reuse import Queue, StatsCache
 from .sums import sum_index, sums_of
 from .structure import RoundStructure, StructureFiles
@@ -94,14 +95,18 @@ class RoundRecord:
     token layout (tokens.py) and, when request_statistic.csv is written, that layout again as
     `by_request`."""
 
-    __slots__ = ("rel", "wrote", "structure", "tokens", "by_request")
+    __slots__ = ("rel", "head", "wrote", "structure", "tokens", "by_request",
+                 "statistics_only")
 
     def __init__(self, devpid: str, index: int):
         self.rel = layout.round_dir(devpid, index)
+        self.head = (devpid, str(index))  # the first cells of its statistic.csv rows
         self.wrote = False
         self.structure = RoundStructure()
         self.tokens: TokenLayout | None = None
         self.by_request: TokenLayout | None = None
+        # A statistics dump without request_statistic.csv: kernel sides take `kernel_side`.
+        self.statistics_only = False
 
 
 class Recorder:
@@ -135,8 +140,10 @@ class Recorder:
         per request (request_statistic.csv) when they say more than the tensor's."""
         record = rnd.record
         record.tokens = tokens
+        cfg = rnd.selection.config
         record.by_request = tokens if tokens is not None and tokens.per_request and \
-            rnd.selection.config.wants_statistics else None
+            cfg.wants_statistics else None
+        record.statistics_only = cfg.task is Task.STATISTICS and record.by_request is None
 
     def begin_layer(self, rnd, name: str, op_id: str, tracking: bool) -> LayerRecord:
         """The record of a layer-level op execution; `tracking`: its children are seen."""
@@ -260,14 +267,25 @@ class Recorder:
 
     # -- kernels ----------------------------------------------------------------------------
 
-    def kernel_inputs(self, rnd, frame, op_name: str, pairs, writes_args: bool,
-                      factory: bool = False) -> OpRecord:
-        """A kernel begins: its input side recorded; returns its `OpRecord`."""
-        record = OpRecord(writes_args, factory)
-        items = []
+    def kernel_inputs(self, rnd, frame, kernel, args, kwargs) -> tuple:
+        """A kernel begins (`kernel`: its `kernels.Kernel`): its input side recorded. Returns
+        its `OpRecord`, and its arguments bound to their names where that was needed (else
+        None)."""
+        record = OpRecord(bool(kernel.written), kernel.factory)
         # op_param.json (tensor tasks) and the structure files describe the kernel's arguments;
         # otherwise only its tensors matter.
         describe = frame.dump and (rnd.selection.config.wants_tensors or frame.layer.collect)
+        if not describe and rnd.record.statistics_only:
+            tensors = kernel_tensors(kernel.params, args, kwargs)
+            if tensors is not None:
+                record.inputs = len(tensors)
+                if frame.dump:
+                    record.inputs_seen = self.kernel_side(
+                        rnd, frame.layer, (frame.full_name, frame.name, frame.op_id), INPUT,
+                        tensors, kernel)
+                return record, None
+        pairs = bind_args(kernel.params, args, kwargs)
+        items = []
         if describe:
             described, arg_names = {}, []
             for name, value in pairs:
@@ -280,16 +298,26 @@ class Recorder:
         if frame.dump:
             self.write_side(rnd, frame, record, INPUT, items, named=False, kernel=True)
             if describe:
-                record.param = {"op": op_name, "type": frame.name,
+                record.param = {"op": kernel.op_name, "type": frame.name,
                                 "inputs": {layout.tensor_name(INPUT, i): n
                                            for i, n in enumerate(arg_names)},
                                 "args": described}
-        return record
+        return record, pairs
 
-    def kernel_outputs(self, rnd, frame, op_name: str, out, written: list) -> None:
+    def kernel_outputs(self, rnd, frame, kernel, out, written: list) -> None:
         """A kernel's outputs: what it returned, then the arguments it wrote (`written`: their
         (name, tensor), values after the kernel)."""
         record = frame.record
+        op_name = kernel.op_name
+        if rnd.record.statistics_only:
+            if frame.dump:
+                self.kernel_output_statistics(
+                    rnd, frame.layer, (frame.full_name, frame.name, frame.op_id), kernel, out,
+                    written, record.inputs_seen, lambda: frame.rel)
+            # (The structure files count what the kernel returned and wrote.)
+            record.outputs = (1 if isinstance(out, torch.Tensor) else
+                              len(_output_items(out))) + len(written)
+            return
         # Most kernels return one tensor.
         items = [("", out)] if isinstance(out, torch.Tensor) else _output_items(out)
         returned = len(items)
@@ -299,7 +327,7 @@ class Recorder:
         if not frame.dump:
             return
         self.write_side(rnd, frame, record, OUTPUT, items, named=False, kernel=True)
-        uninit = _uninitialized(frame.layer, items, record.writes_args)
+        uninit = _uninitialized(frame.layer, [t for _, t in items], record.writes_args)
         if rnd.selection.config.wants_tensors:
             param = record.param
             param["outputs"] = [layout.tensor_name(OUTPUT, i) for i in range(len(items))]
@@ -414,7 +442,7 @@ class Recorder:
             rnd.record.wrote = True
             # One flat tuple of strings and cells (statcsv.py): the garbage collector lets go
             # of it at its first collection.
-            head = (rnd.devpid, str(rnd.index), frame.full_name, frame.name, frame.op_id, side)
+            head = (*rnd.record.head, frame.full_name, frame.name, frame.op_id, side)
             side_record = (*head, *rows)
             if layer is not None:
                 layer.rows.append(side_record)
@@ -454,6 +482,74 @@ class Recorder:
             for _, request, dims, cell in self._request_cells(by_request, queue, [total]):
                 rows += (index, dtype, shape_cell(dims), cell, request)
         return rows
+
+    def kernel_side(self, rnd, layer: LayerRecord | None, names: tuple, side: str,
+                    tensors: list, kernel, inputs_seen=None):
+        """`write_side` of a kernel's side in a statistics dump without request_statistic.csv
+        (`RoundRecord.statistics_only`): the same side record, in fewer steps, from what the
+        kernel call holds (no frame or record needed: see `OpWalker.statistics_kernel_call`).
+        Most sides of a `save_child` dump are kernels'; a kernel's rows are indexed by
+        position, so its tensors come without labels (`arguments.kernel_tensors`).
+
+        `names`: the kernel's (Op Name, Op Type, Op Id); `kernel`: its `kernels.Kernel`;
+        `inputs_seen`: for its outputs, what its inputs left. Returns that, for its inputs."""
+        dumpable, dtypes, indexes = [], [], []
+        for i, t in enumerate(tensors):
+            cls = type(t)
+            if cls is torch.Tensor and t.layout is _STRIDED and not t.is_meta and \
+                    not t.is_nested:  # `dumpable_dtype` of a plain tensor, inline
+                dt = DUMPABLE_DTYPES.get(t.dtype)
+            else:
+                if cls is not torch.Tensor and cls is not torch.nn.Parameter:
+                    t, _ = local_of(t)
+                dt = dumpable_dtype(t)
+            if dt is None:
+                _skipped_in(t, names[0])
+                continue
+            dumpable.append(t)
+            dtypes.append(dt)
+            indexes.append(i)
+        # A factory's outputs are not kept for later: their statistics are computed now, in a
+        # queue of their own (see `Kernel.factory`).
+        at_once = side == OUTPUT and kernel.factory
+        queue = self.stats.new_queue() if at_once else self._queue(layer)
+        if side == INPUT:
+            stats, inputs_seen = self.stats.side(queue, dumpable,
+                                                 remember_inputs=not kernel.written)
+        else:
+            stats, _ = self.stats.side(queue, dumpable, kernel_output=True,
+                                       inputs_seen=inputs_seen)
+        # Deferred only where every in-place kernel is seen (see forget_written).
+        if at_once or layer is None or not layer.deferred or queue.nbytes > MAX_PENDING_BYTES:
+            queue.resolve()
+        if dumpable:
+            rows = []
+            for i, t, dt, st in zip(indexes, dumpable, dtypes, stats):
+                rows += (_INDEX[i] if i < 64 else str(i), dt.csv_name, shape_cell(t.shape), st,
+                         None)
+            round_record = rnd.record
+            round_record.wrote = True
+            side_record = (*round_record.head, *names, side, *rows)
+            if layer is not None:
+                layer.rows.append(side_record)
+            else:
+                self._rows.queue(round_record, [side_record])
+        return inputs_seen
+
+    def kernel_output_statistics(self, rnd, layer, names: tuple, kernel, out, written: list,
+                                 inputs_seen, rel) -> None:
+        """A kernel's outputs in a statistics dump, its frame-less way (`kernel_side`): what it
+        returned, then the arguments it wrote (`written`); `rel()`: its op folder, for the
+        op_param.json of outputs over uninitialised memory."""
+        tensors = [out] if isinstance(out, torch.Tensor) else [t for _, t in _output_items(out)]
+        if written:
+            tensors += [t for _, t in written]
+        self.kernel_side(rnd, layer, names, OUTPUT, tensors, kernel, inputs_seen)
+        uninit = _uninitialized(layer, tensors, bool(kernel.written))
+        if uninit:  # the one thing the tools must know of a statistics dump's kernel
+            self.sink.put(JsonJob(layout.op_dir(rnd.record.rel, rel()), layout.OP_PARAM,
+                                  {"op": kernel.op_name, "type": names[1],
+                                   "uninitialized": uninit}))
 
     def _request_cells(self, tokens: TokenLayout, queue: Queue, tensors: list,
                        by_row: bool = False) -> list:
@@ -620,6 +716,13 @@ def _output_items(out) -> list:
     return items
 
 
+def bound_tensors(pairs) -> list:
+    """The tensors of a call's bound arguments, in the order of its rows."""
+    items = []
+    _tensors_of(pairs, items)
+    return [t for _, t in items]
+
+
 def _tensors_of(pairs, items: list) -> None:
     """`flatten` of each (name, value) pair into `items`, without rendering the other
     values as parameters."""
@@ -657,13 +760,13 @@ def _describe_shard(record: OpRecord, side: str, i: int, label: str, meta: dict)
     record.shards[name] = meta
 
 
-def _uninitialized(layer, items, writes_args: bool) -> list[str]:
+def _uninitialized(layer, tensors: list, writes_args: bool) -> list[str]:
     """The names of a kernel's outputs over memory nothing has written yet: an allocation
     kernel's, and views of it made before anything wrote it (`LayerRecord.uninit`)."""
     if layer is None or not layer.uninit or writes_args:
         return []
     names = []
-    for i, (_, t) in enumerate(items):
+    for i, t in enumerate(tensors):
         try:
             address = t.untyped_storage().data_ptr()
         except Exception:  # subclasses, tensors without storage
@@ -674,9 +777,13 @@ def _uninitialized(layer, items, writes_args: bool) -> list[str]:
 
 
 def _skipped(t, frame) -> None:
+    _skipped_in(t, frame.full_name)
+
+
+def _skipped_in(t, full_name: str) -> None:
     log.warn_once(f"skip-{type(t).__name__}-{getattr(t, 'dtype', '')}",
                   f"cannot dump a {type(t).__name__} of dtype {getattr(t, 'dtype', '?')} "
-                  f"({frame.full_name}); skipped")
+                  f"({full_name}); skipped")
 
 
 def _lookup(layer, key, t):

@@ -189,20 +189,20 @@ class StatsCache:
                 if cell[-1] != QUEUED or waits_in(cell) == queue.serial:
                     cells.append(cell)
                     continue
-            cell, key = self._lookup(t, queue)
+            cell, key, version = self._lookup(t, queue)
             if cell is None:
                 cell = self._new(t, queue)
-                if cell is not EMPTY:
-                    self._keep(t, cell, memory_key(t) if key is _NO_KEY else key)
+                if cell is not EMPTY and version is not None:
+                    self._keep(t, cell, memory_key(t) if key is _NO_KEY else key, version)
             cells.append(cell)
         return cells, ((tensors, cells) if remember_inputs else None)
 
     def _lookup(self, t, queue: Queue):
-        """The cell of `t`'s values as they are, if known and usable here, else None; and
-        `t`'s memory key where it was computed on the way (else `_NO_KEY`)."""
+        """The cell of `t`'s values as they are, if known and usable here, else None; `t`'s
+        memory key where it was computed on the way (else `_NO_KEY`); and its version."""
         version = _version(t)
         if version is None:
-            return None, None  # nothing is kept for it either (`_keep`)
+            return None, None, None  # nothing is kept for it either (`_keep`)
         key = _NO_KEY
         seen = self._seen.get(id(t))
         if seen is not None and seen[1] == version and seen[0]() is t and \
@@ -212,12 +212,12 @@ class StatsCache:
             key = memory_key(t)
             entry = self._entries.get(key + (version,)) if key is not None else None
             if entry is None or entry[0]() is not _owner(t):
-                return None, key
+                return None, key, version
             cell = entry[1]
             self._remember(t, version, cell)
         if cell[-1] == QUEUED and waits_in(cell) != queue.serial:
-            return None, key
-        return cell, key
+            return None, key, version
+        return cell, key, version
 
     def _output(self, t, queue: Queue, inputs_seen):
         """The cell of a kernel output: that of an input over the same memory (a view
@@ -239,7 +239,9 @@ class StatsCache:
         if not shared and cell is not EMPTY:
             # Fresh memory: its version counter is its own for good. (A view's counter is
             # not linked to its base's yet, inside the dispatch.)
-            self._keep(t, cell, key)
+            version = _version(t)
+            if version is not None:
+                self._keep(t, cell, key, version)
         return cell
 
     def fresh(self, t, queue: Queue):
@@ -259,13 +261,32 @@ class StatsCache:
         queue.nbytes += n * t.element_size()
         return cell
 
-    def _keep(self, t, cell, key) -> None:
-        """Remember `cell` for `t`'s memory at its present version."""
-        version = _version(t)
-        if version is None or key is None:
+    def _keep(self, t, cell, key, version) -> None:
+        """Remember `cell` for `t`'s memory at its present `version` (not None): by memory key
+        and by identity, under one taking of the lock."""
+        if key is None:
             return
-        self._store(key + (version,), _owner(t), cell)
-        self._remember(t, version, cell)
+        try:
+            ref = weakref.ref(t)
+            seen = (ref, version, cell, t.data_ptr())
+        except (TypeError, RuntimeError):  # not weak-referenceable, no storage
+            ref = seen = None
+        owner = _owner(t)
+        try:
+            entry = (ref if owner is t and ref is not None else weakref.ref(owner), cell)
+        except TypeError:  # not weak-referenceable
+            entry = None
+        with self._lock:
+            if entry is not None:
+                entries = self._entries
+                if len(entries) >= self._limit:
+                    self._limit = _sweep(entries, _stale_entry)
+                entries[key + (version,)] = entry
+            if seen is not None:
+                seen_of = self._seen
+                if len(seen_of) >= self._seen_limit:
+                    self._seen_limit = _sweep(seen_of, _stale_seen)
+                seen_of[id(t)] = seen
 
     def _remember(self, t, version, cell) -> None:
         try:
@@ -277,17 +298,6 @@ class StatsCache:
             if len(seen) >= self._seen_limit:
                 self._seen_limit = _sweep(seen, _stale_seen)
             seen[id(t)] = entry
-
-    def _store(self, key, owner, value) -> None:
-        try:
-            entry = (weakref.ref(owner), value)
-        except TypeError:  # not weak-referenceable
-            return
-        with self._lock:
-            entries = self._entries
-            if len(entries) >= self._limit:
-                self._limit = _sweep(entries, _stale_entry)
-            entries[key] = entry
 
 
 def _sweep(entries: dict, stale) -> int:

@@ -35,6 +35,7 @@ import math
 import os
 import sys
 import threading
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 from ..layout import Side
@@ -56,6 +57,7 @@ from .result import CompareResult
 from .scan import scan_compared
 from .shards import JoinedRanks, find_ranks, joined_note, load_joined
 from .tokenpairs import SideSlice
+from .triage import triage
 
 MODES = tuple(mode.value for mode in CompareMode)
 BATCH_ELEMENTS = 1 << 23     # elements per batch sent to a worker (32 MB of float32 per side)
@@ -95,11 +97,14 @@ class _Slicing:
 def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMode.AUTO,
                   thresholds: Thresholds = Thresholds(), progress=None, jobs: int = 1,
                   opmap: OpMap | None = None, batch_elements: int = BATCH_ELEMENTS,
-                  conventions: bool = True) -> CompareResult:
+                  conventions: bool = True, full: bool = False,
+                  tolerance: float = 0.0) -> CompareResult:
     """Compare two dumps; `progress(total)` may return a callable advanced by a count of
     tensor pairs as they are done. `jobs` > 1 compares batches of pairs in that many worker
     processes at once. `opmap`: the user's map, over the built-in one the dumps' op names
-    choose (`conventions`: whether to look for one)."""
+    choose (`conventions`: whether to look for one). In `auto` mode, the data of only the
+    tensors that can change the verdict is read (triage.py; `tolerance`: how far statistics
+    may differ and still agree), unless `full`."""
     try:
         mode = CompareMode(mode)
     except ValueError:
@@ -157,14 +162,25 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
                 work.append(pair)
             spans.append(_OpSpan(rp.target.index, op.target.op_path, op.golden.op_path,
                                  indices, request, positions))
-    rows = run_pairs(work, mode, jobs, progress, batch_elements)
-    for row, sliced in zip(rows, slicing):
+    def finish(index: int, row: PairResult) -> None:
+        sliced = slicing[index]
         row.request, row.positions = sliced.request, sliced.positions
         if sliced.note and row.mode == PairMode.NO_DATA:
             row.note = "; ".join(filter(None, (sliced.note, row.note)))
         row.diverged = crosses(row, thresholds)
-    ops = sorted([span.rows(rows) for span in spans] + alone, key=lambda op: op.finished)
-    verdict = judge(ops)
+
+    report = None
+    if full or mode != CompareMode.AUTO:
+        rows = run_pairs(work, mode, jobs, progress, batch_elements)
+        for index, row in enumerate(rows):
+            finish(index, row)
+        ops = sorted([span.rows(rows) for span in spans] + alone, key=lambda op: op.finished)
+        verdict = judge(ops)
+    else:
+        with _Reader(work, mode, jobs, batch_elements) as reader:
+            triaged = triage(work, spans, alone, reader.read, finish, tolerance,
+                             advance=progress(len(work)) if progress else None)
+        rows, verdict, report = triaged.rows, triaged.verdict, triaged.report
     finding = verdict.finding
     round_ends.append(len(rows))
     rows = [r for start, end in zip(round_ends, round_ends[1:])
@@ -177,7 +193,7 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
                          finding, list(numbers), alignment.name_matched, scan_compared(rows),
                          max(1, jobs), verdict.unjudged, alignment.pairing.text(),
                          chosen.opmap.title() if chosen else "",
-                         ranks.summary if ranks is not None else None)
+                         ranks.summary if ranks is not None else None, triage=report)
 
 
 def _refs(pair, ranks, rp: RoundPair) -> tuple[TensorRef, TensorRef]:
@@ -295,10 +311,10 @@ def _target_only(rp: RoundPair, conventional: set[tuple[str, str]]) -> list[OpRo
 
 
 def run_pairs(work: list[RefPair], mode: CompareMode, jobs: int = 1, progress=None,
-              batch_elements: int = BATCH_ELEMENTS) -> list[PairResult]:
+              batch_elements: int = BATCH_ELEMENTS, pool=None) -> list[PairResult]:
     """Compare every pair of `work`, in order; in `jobs` processes when there is more than one
-    batch of work. Memory: each job holds one pair of tensors (and its chunk buffers) at a
-    time."""
+    batch of work (in `pool`, when one is given). Memory: each job holds one pair of tensors
+    (and its chunk buffers) at a time."""
     advance = progress(len(work)) if progress else None
     batches = _batches(work, batch_elements)
     if jobs <= 1 or len(batches) <= 1:
@@ -309,13 +325,39 @@ def run_pairs(work: list[RefPair], mode: CompareMode, jobs: int = 1, progress=No
                 advance(len(batch))
         return rows
     rows = []
-    with worker_pool(min(jobs, len(batches))) as pool:
+    with ExitStack() as stack:
+        if pool is None:
+            pool = stack.enter_context(worker_pool(min(jobs, len(batches))))
         for batch, done in zip(batches, pool.map(compare_batch, batches,
                                                  [mode] * len(batches))):
             rows.extend(done)
             if advance:
                 advance(len(batch))
     return rows
+
+
+class _Reader:
+    """Reads pairs of the work for the triage, several times, in one pool of workers started
+    when a read first needs it (`with _Reader(...) as reader: reader.read(indices)`)."""
+
+    def __init__(self, work: list[RefPair], mode: CompareMode, jobs: int, batch_elements: int):
+        self.work, self.mode, self.jobs, self.batch_elements = work, mode, jobs, batch_elements
+        self.stack = ExitStack()
+        self.pool = None
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.stack.close()
+        return False
+
+    def read(self, indices: list[int]) -> list[PairResult]:
+        """The compared rows of these pairs of the work, their data read."""
+        pairs = [self.work[i] for i in indices]
+        if self.pool is None and self.jobs > 1 and len(_batches(pairs, self.batch_elements)) > 1:
+            self.pool = self.stack.enter_context(worker_pool(self.jobs))
+        return run_pairs(pairs, self.mode, self.jobs, None, self.batch_elements, self.pool)
 
 
 def _batches(work: list[RefPair], batch_elements: int) -> list[list[RefPair]]:
@@ -508,6 +550,14 @@ def register(sub) -> None:
     p.add_argument("--max-norm-err", type=float, default=d.max_norm_err, metavar="PCT",
                    help="statistics mode: an output whose norm differs by more than PCT "
                         f"percent diverges (default {d.max_norm_err})")
+    p.add_argument("--full", action="store_true",
+                   help="read the data of every tensor pair; by default (mode auto) compare "
+                        "reads the statistics first and the data only of the layer-level ops "
+                        "that can change the verdict (see docs/analysis.md)")
+    p.add_argument("--stats-tolerance", type=float, default=0.0, metavar="REL",
+                   help="statistics of two tensors that differ by at most REL (relative) "
+                        "count as equal, and their layer-level op is not read (default 0: "
+                        "only identical statistics)")
     p.add_argument("--map", metavar="FILE",
                    help="YAML or JSON file saying which ops and tensors of one dump are which "
                         "of the other's (see docs/analysis.md), for dumps of two "
@@ -542,11 +592,15 @@ def _compare(args) -> int:
     if jobs < 1:
         print("atb-probe compare: --jobs must be at least 1", file=sys.stderr)
         return 2
+    if not args.stats_tolerance >= 0:
+        print("atb-probe compare: --stats-tolerance must be 0 or more", file=sys.stderr)
+        return 2
     try:
         opmap = load_map(args.map) if args.map else None
         with progress_bar(err, "comparing") as progress:
             result = compare_dumps(args.golden, args.target, args.mode, thresholds, progress,
-                                   jobs, opmap, conventions=not args.no_conventions)
+                                   jobs, opmap, conventions=not args.no_conventions,
+                                   full=args.full, tolerance=args.stats_tolerance)
     except CompareError as exc:
         print(f"atb-probe compare: {exc}", file=sys.stderr)
         return 2
@@ -573,6 +627,8 @@ def _compare(args) -> int:
     out.print(f"compared {len(result.rows)} tensors in {len(result.rounds)} round(s), paired "
               f"{result.pairing}: {c.tensor} by tensor, {c.statistics} by statistics, "
               f"{c.no_data} without data; {c.crossing} cross the thresholds")
+    if result.triage is not None:
+        out.print(result.triage.text())
     if result.ranks is not None:
         _print_ranks(out, result.ranks)
     if result.name_matched_ops:

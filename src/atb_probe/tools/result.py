@@ -2,7 +2,8 @@
 verdict and the scan, with the counts and summary lines every renderer shows.
 
 The stages each have their own module and this one takes their records: comparison.py (the
-records all stages share), divergence.py (the verdict), scan.py (NaN/Inf and overflow). compare.py
+records all stages share), divergence.py (the verdict), scan.py (NaN/Inf and overflow),
+triage.py (what was read). compare.py
 assembles it; resulttable.py and report.py read it. Imports go one way: nothing below imports
 this module.
 """
@@ -15,6 +16,7 @@ from .comparison import CompareMode, PairMode, PairResult, RoundNumbers, Thresho
 from .divergence import Finding, Unjudged
 from .scan import RoundScan
 from .shards import JoinedRanks
+from .triage import TriageReport
 
 if TYPE_CHECKING:
     from .culprit import CulpritSearch
@@ -48,6 +50,7 @@ class CompareResult:
     conventions: str = ""                      # the op map in force: `vLLM against ... (built in)`
     ranks: JoinedRanks | None = None           # one side's ranks joined into one
     replay: CulpritSearch | None = None        # `--replay`: the culprit search (culprit.py)
+    triage: TriageReport | None = None         # what the triage read; None: every pair (--full)
 
     def counts(self) -> Counts:
         counts = Counts()
@@ -75,6 +78,7 @@ class CompareResult:
             ("rounds compared", rounds or "none"),
             ("rounds paired", self.pairing),
             ("tensors compared", str(len(self.rows))),
+            ("tensors read", self.triage.text() if self.triage else "all (full comparison)"),
             ("tensor mode", str(c.tensor)), ("statistics mode", str(c.statistics)),
             ("no data", str(c.no_data)), ("crossing the thresholds", str(c.crossing)),
             ("ops paired by name, map or order (structures differ)",

@@ -47,6 +47,7 @@ def summary_doc(result: CompareResult) -> dict:
         "rounds_paired": result.pairing,
         "unjudged": [_unjudged(u) for u in result.unjudged],
         "unmatched": _unmatched_groups(result.unmatched),
+        "triage": None if result.triage is None else asdict(result.triage),
         "ranks_joined": None if result.ranks is None else {
             "side": str(result.ranks.role), "ranks": result.ranks.ranks,
             "not_joined": [{"tensor": u.name, "why": u.reason}
