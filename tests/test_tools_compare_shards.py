@@ -19,7 +19,8 @@ import torch
 from atb_probe.statcsv import Stats
 from atb_probe.tools.compare import compare_dumps
 from atb_probe.tools.comparison import CompareMode, Join, PairMode, Pieces
-from atb_probe.tools.shards import Decision, Region, decide, joined_note, joined_stats
+from atb_probe.tools.shards import (Decision, Region, _fused_decision, _per_part, decide,
+                                    joined_note, joined_stats, load_joined)
 
 from conftest import tiny_llama
 from harness import cli, config, torchrun_loaded
@@ -61,6 +62,36 @@ def test_what_nothing_decides_is_left_undecided_with_the_reason():
     assert odd.join is None and "1x6x16, 1x6x16" in odd.reason and "1x7x32" in odd.reason
     unknown = decide([(6, 32)] * 2, (6, 32), None, Region.UNKNOWN, "o_proj")
     assert unknown.join is None and "not dumped" in unknown.reason
+
+
+def test_a_fused_modules_pieces_split_into_their_parts():
+    # vLLM's merged gate and up projections over 2 ranks: half of each part on each rank.
+    assert _per_part(2, 256, [256, 256]) == ((128, 1), (128, 1))
+    # q, k, v with one key/value head over 2 ranks: q split, k and v whole on each rank.
+    assert _per_part(2, 192, [128, 64, 64]) == ((64, 1), (64, 2), (64, 2))
+    # 8 ranks, 4 key/value heads of 16: each head on 2 consecutive ranks.
+    assert _per_part(8, 64, [256, 64, 64]) == ((32, 1), (16, 2), (16, 2))
+    assert _per_part(2, 100, [128, 64, 64]) is None          # no such split
+    # The rank shapes do not add up to the golden's, yet every other dimension is its.
+    assert _fused_decision([(7, 192)] * 2, (7, 256), -1, [128, 64, 64]) == \
+        Decision(Join.CONCAT, 1, "rank pieces of a fused module")
+
+
+def test_fused_pieces_join_part_by_part(tmp_path):
+    import numpy as np
+
+    from atb_probe.binfile import encode_header
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((3, n)).astype(np.float32) for n in (128, 64, 64))
+    paths = []
+    for rank in range(2):   # each rank: its half of q, then all of k and v
+        piece = np.ascontiguousarray(np.concatenate([q[:, rank * 64:(rank + 1) * 64], k, v], 1))
+        path = tmp_path / f"rank{rank}.bin"
+        path.write_bytes(encode_header(0, piece.shape, piece.nbytes) + piece.tobytes())
+        paths.append(str(path))
+    pieces = Pieces(Join.CONCAT, 1, tuple(paths), "", _per_part(2, 192, [128, 64, 64]))
+    whole, note = load_joined(pieces)
+    assert note == "" and np.array_equal(whole, np.concatenate([q, k, v], 1))
 
 
 def test_statistics_of_slices_join_and_those_of_partial_sums_do_not():

@@ -1,6 +1,6 @@
 """vLLM's offline API as a user's script uses it: greedy generation from a local model.
 
-    python offline.py MODEL [--eager] [--prompts N] [--tokens N]
+    python offline.py MODEL [--eager] [--prompts N] [--tokens N] [--tp N]
 
 Prints `TOKENS <json>`: the generated token ids of each prompt, in order.
 """
@@ -18,10 +18,12 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = parser.parse_args()
     from vllm import LLM, SamplingParams
     llm = LLM(model=args.model, enforce_eager=args.eager, max_model_len=256, dtype="float32",
-              max_num_seqs=8, seed=0)
+              max_num_seqs=8, seed=0, tensor_parallel_size=args.tp,
+              **({"distributed_executor_backend": "mp"} if args.tp > 1 else {}))
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     prompts = (PROMPTS * (args.prompts // len(PROMPTS) + 1))[:args.prompts]
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -9,6 +9,7 @@ the version of a distribution named `vllm`), so the server is started as
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -38,14 +39,20 @@ def engine_env(cache: Path) -> dict:
 
 
 def offline(tmp: Path, model: Path, cache: Path, *, eager: bool, probe: bool = True,
-            prompts: int = 2, tokens: int = 4) -> tuple[list[list[int]], str]:
+            prompts: int = 2, tokens: int = 4, tp: int = 1) -> tuple[list[list[int]], str]:
     """Run `LLM(model).generate` (greedy) in a new process, through the load script with
-    tmp/config.json when `probe`; its generated token ids and its stderr."""
+    tmp/config.json when `probe`; its generated token ids and its stderr. `tp`: tensor-parallel
+    workers, each bound to a core of its own (vLLM's CPU workers ask for a NUMA node each
+    otherwise)."""
     command = terminal(sys.executable, OFFLINE, model, "--prompts", prompts, "--tokens", tokens,
-                       *(["--eager"] if eager else []))
+                       "--tp", tp, *(["--eager"] if eager else []))
     if probe:
         command = loaded(command, tmp, tmp / "config.json")
-    result = run_shell(command, tmp, engine_env(cache), timeout=600)
+    env = engine_env(cache)
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1))
+                                                    for i in range(tp))
+    result = run_shell(command, tmp, env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS ")]
     assert lines, result.stdout[-3000:]
@@ -67,11 +74,11 @@ def transformers_golden(tmp: Path, model: Path, cfg: dict, *, prompts: int = 1,
 
 
 def vllm_target(tmp: Path, model: Path, cache: Path, cfg: dict, *, prompts: int = 1,
-                tokens: int = 4) -> list[list[int]]:
+                tokens: int = 4, tp: int = 1) -> list[list[int]]:
     """vLLM offline generate (enforce_eager) of all the prompts at once, through the load
     script with `cfg`, once its data is on disk: the generated token ids."""
     (tmp / "config.json").write_text(json.dumps(cfg))
-    out, _ = offline(tmp, model, cache, eager=True, prompts=prompts, tokens=tokens)
+    out, _ = offline(tmp, model, cache, eager=True, prompts=prompts, tokens=tokens, tp=tp)
     wait_complete(tmp / "atb_dump_data")
     return out
 

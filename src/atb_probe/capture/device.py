@@ -5,7 +5,9 @@ process (a dump must not be split over two `<dev>_<pid>` folders). The tensors l
 root call's inputs (and what they hold: lists, tuples, dicts), then the root module's parameters
 and buffers; the first one on an accelerator (CUDA, NPU through torch_npu, or any other device
 with an index) decides. A process running on CPU only falls back to `LOCAL_RANK`, which
-torchrun and most launchers set per process, else 0.
+torchrun and most launchers set per process; else, when the process has joined a
+`torch.distributed` group by then (an engine's tensor-parallel workers, which vLLM starts itself
+without `LOCAL_RANK`), its rank in it; else 0.
 
 The tensor's own index is used rather than the backend's current device: a rank that puts its
 model on `cuda:1` without calling `set_device(1)` still reports 1; when `set_device` was called,
@@ -13,6 +15,7 @@ as torchrun programs normally do, the two agree.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -33,6 +36,19 @@ def device_id(module, args, kwargs) -> int:
             index = _current_index(tensor.device.type)
         if index is not None:
             return index
+    return _cpu_rank()
+
+
+def _cpu_rank() -> int:
+    """LOCAL_RANK when it is set, else the process's rank in `torch.distributed`'s default
+    group when there is one, else 0."""
+    if "LOCAL_RANK" not in os.environ:
+        dist = torch.distributed
+        try:
+            if dist.is_available() and dist.is_initialized():
+                return dist.get_rank()
+        except Exception:  # a backend that cannot answer
+            pass
     return local_rank()
 
 

@@ -196,11 +196,35 @@ def compare_dumps(golden: str, target: str, mode: CompareMode | str = CompareMod
                          ranks.summary if ranks is not None else None, triage=report)
 
 
-def _refs(pair, ranks) -> tuple[TensorRef, TensorRef]:
+def _refs(pair, ranks, rp: RoundPair) -> tuple[TensorRef, TensorRef]:
     """The (golden, target) refs of a tensor pair; on a side of joined ranks, the whole's."""
     if ranks is None:
         return TensorRef.of(pair.golden), TensorRef.of(pair.target)
-    return ranks.refs(pair.golden, pair.target)
+    return ranks.refs(pair.golden, pair.target, _whole_shape(pair, ranks.role, rp))
+
+
+def _whole_shape(pair: TensorPair, joined: Role, rp: RoundPair) -> tuple[int, ...] | None:
+    """The shape the joined side's tensor has as a whole, when the two sides lay their tokens
+    out differently (vLLM's flat `[tokens, hidden]` against a batch's `[rows, seq, hidden]`):
+    the other side's tensor with its token dimensions replaced by the joined side's round's;
+    None when the other side's shape is the whole's."""
+    if rp.tokens is None:
+        return None
+    other_role = Role.TARGET if joined == Role.GOLDEN else Role.GOLDEN
+    mine, theirs = rp.tokens.side(joined).layout, rp.tokens.side(other_role).layout
+    if mine.arrangement == theirs.arrangement:
+        return None
+    other = pair.target if joined == Role.GOLDEN else pair.golden
+    try:
+        dims = parse_shape(other.shape)
+    except ValueError:
+        return None
+    if not theirs.has_token_dim(dims):
+        return None
+    flat = Arrangement.FLAT
+    features = dims[1:] if theirs.arrangement == flat else dims[2:]
+    tokens = (mine.tokens,) if mine.arrangement == flat else (mine.rows, mine.tokens)
+    return (*tokens, *features)
 
 
 def _ref_pair(pair: TensorPair, rp: RoundPair, ranks: JoinedRanks | None
@@ -210,7 +234,7 @@ def _ref_pair(pair: TensorPair, rp: RoundPair, ranks: JoinedRanks | None
     and why a cut side has no statistics, if one has none."""
     refs, per_token, notes = [], False, []
     for role, record, ref in zip((Role.GOLDEN, Role.TARGET), (pair.golden, pair.target),
-                                 _refs(pair, ranks)):
+                                 _refs(pair, ranks, rp)):
         if rp.tokens is not None:
             tokens, note = _cut(ref, record, rp.tokens.side(role))
             per_token = per_token or tokens

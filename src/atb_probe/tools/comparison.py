@@ -191,6 +191,10 @@ class Pieces:
     dim: int                     # the dimension of a CONCAT
     paths: tuple[str | None, ...]   # every rank's .bin, rank 0 first
     reason: str                  # what decided the join, or why none could be
+    # A fused module's CONCAT (vLLM's QKVParallelLinear): each rank holds a slice of each part
+    # one after the other; per part, its width on a rank and the ranks that share one slice
+    # (a key/value head replicated over several ranks). None: plain pieces.
+    fused: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(slots=True)

@@ -44,7 +44,7 @@ from .. import layout
 from ..statcsv import Stats, parse_shape
 from . import StrEnum
 from .arrays import load_values
-from .comparison import Join, Pieces, Role, TensorRef
+from .comparison import DeriveKind, Join, Pieces, Role, TensorRef
 from .dumpreader import Dump, Process, Round, TensorRecord
 
 # DTensor placements as op_param.json writes them (their repr) -> the join, or None and why.
@@ -121,7 +121,8 @@ def decide(shapes: list[tuple[int, ...]], whole: tuple[int, ...] | None,
         return Decision(None, reason=f"DTensor placement {placement} is not one compare joins")
     if whole is None:
         return Decision(None, reason="the golden's shape is not known")
-    if all(s == whole for s in shapes):
+    if all(s == whole for s in shapes) or all(s == shapes[0] for s in shapes) and \
+            _squeezed(shapes[0]) == _squeezed(whole):   # [1, vocab] against [1, 1, vocab]
         if region == Region.PARTIAL:
             return Decision(Join.SUM, reason=f"partial sums inside row-parallel {layer}")
         if region == Region.UNKNOWN:
@@ -154,10 +155,80 @@ def joined_stats(join: Join | None, stats: list[Stats | None],
                  math.sqrt(sum(s.norm * s.norm for s in stats)))
 
 
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+def _fused(record) -> tuple[int, list[int]] | None:
+    """(dimension, each part's size) of a concatenation an op map derives (a fused module's
+    counterpart: q, k and v), None for another tensor."""
+    derive = getattr(record, "derive", None)
+    if derive is None or derive.kind != DeriveKind.CONCAT:
+        return None
+    try:
+        shapes = [parse_shape(p.shape) for p in record.parts]
+        return derive.dim, [s[derive.dim] for s in shapes]
+    except (ValueError, IndexError):
+        return None
+
+
+def _fused_decision(shapes: list[tuple[int, ...]], whole: tuple[int, ...], dim: int,
+                    sizes: list[int]) -> Decision:
+    """The join of a fused module's pieces whose sizes do not add up to the whole's (a part
+    replicated on every rank): a CONCAT along the parts' dimension, when every other dimension
+    is the whole's."""
+    dim %= len(whole)
+    if all(len(s) == len(whole) and s[:dim] + s[dim + 1:] == whole[:dim] + whole[dim + 1:]
+           for s in shapes):
+        return Decision(Join.CONCAT, dim, "rank pieces of a fused module")
+    return Decision(None, reason="rank shapes do not join into the fused parts' "
+                                 f"{'x'.join(map(str, whole))}")
+
+
+def _per_part(ranks: int, width: int, sizes: list[int]) -> tuple[tuple[int, int], ...] | None:
+    """How a fused module's output of `width` per rank holds its parts of `sizes`: per part,
+    its width on a rank and how many ranks share each slice; None when that cannot be told.
+
+    Each part is split evenly over the ranks (vLLM's merged gate and up projections), or, in
+    a fused q, k, v projection whose key and value have fewer heads than there are ranks, q is
+    split evenly and k and v, of equal sizes, take what is left of the width: the same slice
+    on several consecutive ranks (or all of k and v on every rank)."""
+    if all(size % ranks == 0 for size in sizes) and sum(sizes) // ranks == width:
+        widths = [size // ranks for size in sizes]
+    elif len(sizes) == 3 and sizes[1] == sizes[2] and sizes[0] % ranks == 0 and \
+            (width - sizes[0] // ranks) % 2 == 0:
+        kv = (width - sizes[0] // ranks) // 2
+        widths = [sizes[0] // ranks, kv, kv]
+    else:
+        return None
+    out = []
+    for part, size in zip(widths, sizes):
+        if part <= 0 or size % part or ranks % (size // part):
+            return None
+        out.append((part, ranks // (size // part)))
+    return tuple(out)
+
+
+def _shape(record) -> tuple[int, ...] | None:
+    """A record's shape; None when its Shape cell cannot be read."""
+    try:
+        return parse_shape(record.shape)
+    except ValueError:
+        return None
+
+
 def load_joined(pieces: Pieces) -> tuple[np.ndarray, str]:
     """The whole tensor from its pieces' files, and a note (ranks that should agree and do
     not). Raises `NoData` as `load_values` does."""
     arrays = [load_values(path) for path in pieces.paths]
+    if pieces.join == Join.CONCAT and pieces.fused:
+        parts, start = [], 0
+        for width, sharing in pieces.fused:
+            cut = [slice(None)] * arrays[0].ndim
+            cut[pieces.dim] = slice(start, start + width)
+            parts += [a[tuple(cut)] for a in arrays[::sharing]]
+            start += width
+        return np.concatenate(parts, axis=pieces.dim), ""
     if pieces.join == Join.CONCAT:
         return np.concatenate(arrays, axis=pieces.dim), ""
     if pieces.join == Join.SUM:
@@ -205,15 +276,24 @@ class RankGroup:
         lead = Dump(self.dump.path, self.dump.kind, self.processes[:1], self.dump.root)
         return (lead, target) if self.role == Role.GOLDEN else (golden, lead)
 
-    def refs(self, golden: TensorRecord, target: TensorRecord) -> tuple[TensorRef, TensorRef]:
-        """The refs of a pair of tensors, this side's joined with its other ranks' pieces."""
+    def refs(self, golden: TensorRecord, target: TensorRecord,
+             whole: tuple[int, ...] | None = None) -> tuple[TensorRef, TensorRef]:
+        """The refs of a pair of tensors, this side's joined with its other ranks' pieces.
+        `whole`: the shape of the whole in this side's token layout, when it is not the other
+        tensor's (compare.py: the two sides lay their tokens out differently)."""
         if self.role == Role.GOLDEN:
-            return self.ref(golden, target), TensorRef.of(target)
-        return TensorRef.of(golden), self.ref(target, golden)
+            return self.ref(golden, whole or _shape(target), _fused(target)), \
+                TensorRef.of(target)
+        return TensorRef.of(golden), self.ref(target, whole or _shape(golden), _fused(golden))
 
-    def ref(self, record: TensorRecord, other: TensorRecord) -> TensorRef:
-        """The ref of rank 0's `record` joined with its pieces on the other ranks; `other` is
-        the tensor it is compared with (its shape is the whole's)."""
+    def ref(self, record: TensorRecord, whole: tuple[int, ...] | None,
+            fused: tuple[int, list[int]] | None = None) -> TensorRef:
+        """The ref of rank 0's `record` joined with its pieces on the other ranks; `whole` is
+        the shape of the whole (that of the tensor it is compared with; None: not known);
+        `fused`: that tensor is a concatenation of parts (the dimension, each part's size):
+        a fused module's output, whose ranks each hold a slice of every part."""
+        if getattr(record, "parts", None):
+            return self._derived(record, whole)
         ref = TensorRef.of(record)
         pieces = [record]
         for rank in range(1, len(self.processes)):
@@ -225,23 +305,44 @@ class RankGroup:
             shapes = [parse_shape(p.shape) for p in pieces]
         except ValueError:
             return self._undecided(ref, record, "a rank's shape is not known")
-        try:
-            whole = parse_shape(other.shape)
-        except ValueError:
-            whole = None
         region, layer = self._region(record)
         decision = decide(shapes, whole, self._placement(record), region, layer)
+        if decision.join is None and fused is not None and whole is not None:
+            decision = _fused_decision(shapes, whole, *fused)
         if decision.join is None:
             return self._undecided(ref, record, decision.reason)
+        per_part = None
+        if decision.join == Join.CONCAT and fused is not None and \
+                decision.dim == fused[0] % len(shapes[0]):
+            per_part = _per_part(len(shapes), shapes[0][decision.dim], fused[1])
+            if per_part is None:
+                return self._undecided(ref, record, "a fused module's rank pieces do not split "
+                                       f"into its {len(fused[1])} parts {fused[1]}")
         shape = record.shape
         if decision.join == Join.CONCAT:
             dims = list(shapes[0])
-            dims[decision.dim] = sum(s[decision.dim] for s in shapes)
+            dims[decision.dim] = sum(fused[1]) if per_part else \
+                sum(s[decision.dim] for s in shapes)
             shape = "x".join(map(str, dims))
-        return replace(ref, shape=shape,
-                       stats=joined_stats(decision.join, [p.stats for p in pieces], shapes),
+        stats = None if per_part else \
+            joined_stats(decision.join, [p.stats for p in pieces], shapes)
+        reason = decision.reason + (", a slice of each fused part per rank" if per_part else "")
+        return replace(ref, shape=shape, stats=stats,
                        pieces=Pieces(decision.join, decision.dim, tuple(p.path for p in pieces),
-                                     decision.reason))
+                                     reason, per_part))
+
+    def _derived(self, record, whole: tuple[int, ...] | None) -> TensorRef:
+        """The ref of a tensor an op map derives from rank 0's tensors (opmap.DerivedTensor):
+        each part joined with its pieces, then derived. A sum's parts have the whole's shape;
+        the parts of another derivation are joined by their placements alone. Its statistics
+        (measured on rank 0) stay only when every part is all there on rank 0."""
+        if record.derive.kind != DeriveKind.SUM:
+            whole = None
+        parts = tuple(self.ref(part, whole) for part in record.parts)
+        ref = replace(TensorRef.of(record), parts=parts)
+        if all(p.pieces is None or p.pieces.join == Join.REPLICATED for p in parts):
+            return ref
+        return replace(ref, stats=None)
 
     def _undecided(self, ref: TensorRef, record: TensorRecord, reason: str) -> TensorRef:
         self.summary.undecided.append(Undecided(f"{record.round.where}/{record.data_name}",
