@@ -66,35 +66,32 @@ def kernel_tensors(params: tuple, args: tuple, kwargs: dict) -> list | None:
     of tensors nor of numbers), so the caller binds the arguments instead."""
     out = []
     for value in args:
-        cls = type(value)
-        if cls in _NO_TENSOR:
-            continue
-        if cls is _TENSOR or isinstance(value, _TENSOR):
-            out.append(value)
-        elif cls is list or cls is tuple:
-            if not _tensors_of_list(value, out):
-                return None
-        else:
+        if not _take(value, out):
             return None
     if kwargs:
         found = 0
         for name in params[2]:
             if name in kwargs:
                 found += 1
-                value = kwargs[name]
-                cls = type(value)
-                if cls in _NO_TENSOR:
-                    continue
-                if cls is _TENSOR or isinstance(value, _TENSOR):
-                    out.append(value)
-                elif cls is list or cls is tuple:
-                    if not _tensors_of_list(value, out):
-                        return None
-                else:
+                if not _take(kwargs[name], out):
                     return None
         if found != len(kwargs):  # a keyword the schema does not name: bound after the rest
             return None
     return out
+
+
+def _take(value, out: list) -> bool:
+    """Append the tensors of one argument value to `out`; False for a value that needs
+    `recorder.bound_tensors`' walk."""
+    cls = type(value)
+    if cls in _NO_TENSOR:
+        return True
+    if cls is _TENSOR or isinstance(value, _TENSOR):
+        out.append(value)
+        return True
+    if cls is list or cls is tuple:
+        return _tensors_of_list(value, out)
+    return False
 
 
 def _tensors_of_list(value, out: list) -> bool:
