@@ -24,7 +24,7 @@ from atb_probe.capture.stats_compute import compute as _compute
 from atb_probe.record.jobs import TensorFileJob
 from atb_probe.record.safefs import SafeTree
 from atb_probe.record.writer import Writer
-from atb_probe.stats_cell import READY, new_cell, new_serial, values as stats_of
+from atb_probe.stats_cell import EMPTY, READY, new_cell, new_serial, values as stats_of
 
 from conftest import probe_lines
 from harness import wait_until
@@ -145,6 +145,40 @@ def test_float32_overflow_falls_back_to_float64_sums():
     high, low, mean, norm = stats_of(cells[0])
     assert math.isfinite(mean) and math.isfinite(norm)
     assert mean == pytest.approx(1e20) and norm == pytest.approx(1e20 * math.sqrt(1000))
+
+
+def _run_slices(t: torch.Tensor, runs) -> list:
+    """Each run's cell from `compute_runs`: a request's slice of a contiguous host tensor."""
+    cells = [EMPTY if start >= stop else new_cell(new_serial()) for start, stop in runs]
+    statistics.compute_runs([(t, runs, cells)])
+    return cells
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("width", [1, 256, 5000])
+def test_runs_of_a_tensor_get_the_statistics_of_their_slices_bit_for_bit(seed, width):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(9, width, generator=g) * 1000
+    base[2, :1] = float("nan")
+    base[4, -1] = -0.0
+    base[5] = 3e19  # float32 sums overflow: float64 again
+    for t in (base, base.to(torch.bfloat16), base.double(), base > 0, torch._neg_view(base)):
+        # requests one after another, with a gap (padding) and a run up to the end
+        runs = [(0, width), (width, 3 * width), (4 * width, 6 * width), (6 * width, 7 * width),
+                (8 * width, 9 * width)]
+        for order in (runs, runs[::-1], runs[:2]):
+            cells = _run_slices(t, order)
+            for (start, stop), cell in zip(order, cells):
+                piece = t.reshape(-1)[start:stop]
+                assert _same(stats_of(cell), _numpy_one(piece)), (t.dtype, start, stop)
+
+
+def test_an_empty_run_gets_an_empty_cell_and_the_others_their_values():
+    t = torch.arange(12, dtype=torch.float32)
+    cells = _run_slices(t, [(0, 4), (4, 4), (4, 12)])
+    assert cells[1] is EMPTY
+    assert _same(stats_of(cells[0]), _numpy_one(t[:4]))
+    assert _same(stats_of(cells[2]), _numpy_one(t[4:]))
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -556,37 +556,48 @@ class Recorder:
         """Statistics cells of each request's slice of the tensors that have the round's token
         dimension (and with `by_row`, a layer-level op's, of each request's row of a tensor with
         a row per request: the logits), pending in `queue` with the tensors': (tensor index,
-        request, slice shape, cell) each. The slices live only until the queue resolves, so nothing of them is
-        looked up or kept (`StatsCache.fresh`)."""
+        request, slice shape, cell) each. The slices live only until the queue resolves, so
+        nothing of them is looked up or kept (`StatsCache.fresh`). A request's slice of a
+        contiguous host tensor is one run of its memory: the runs of one tensor are measured
+        together (`StatsCache.fresh_runs`), without a tensor per slice."""
         out = []
         flat = tokens.arrangement is Arrangement.FLAT
-        fresh = self.stats.fresh
+        fresh, fresh_runs = self.stats.fresh, self.stats.fresh_runs
         seq = tokens.tokens
+        spans = tokens.requests
         for i, t in enumerate(tensors):
             shape = t.shape
+            runs = t.is_cpu and t.is_contiguous() and t.numel()
             if not tokens.has_token_dim(shape):
                 if by_row and tokens.has_request_rows(shape):  # each request's row
                     dims = (1, *shape[1:])
-                    out.extend((i, span.request, dims,
-                                fresh(t.narrow(0, tokens.request_row(span), 1), queue))
-                               for span in tokens.requests)
+                    rows = [tokens.request_row(span) for span in spans]
+                    if runs:
+                        size = t.numel() // shape[0]
+                        cells = fresh_runs(t, [(r * size, (r + 1) * size) for r in rows], queue)
+                    else:
+                        cells = [fresh(t.narrow(0, r, 1), queue) for r in rows]
+                    out.extend((i, span.request, dims, cell) for span, cell in zip(spans, cells))
                 continue
             if flat:
-                rest, rows = shape[1:], t
+                rest = shape[1:]
+                firsts = [span.start for span in spans]
             else:
-                # A request's tokens are one run of a contiguous tensor's memory: one view each.
+                # A request's tokens are one run of a contiguous tensor's memory.
                 rest = shape[2:]
-                rows = t.view(shape[0] * seq, -1) if t.is_contiguous() and t.numel() else None
-            for span in tokens.requests:
-                n = span.stop - span.start
-                if flat:
-                    piece, dims = rows.narrow(0, span.start, n), (n, *rest)
-                elif rows is not None:
-                    piece, dims = rows.narrow(0, span.row * seq + span.start, n), (1, n, *rest)
-                else:
-                    piece = t.narrow(0, span.row, 1).narrow(1, span.start, n)
-                    dims = (1, n, *rest)
-                out.append((i, span.request, dims, fresh(piece, queue)))
+                firsts = [span.row * seq + span.start for span in spans]
+            counts = [span.stop - span.start for span in spans]
+            if runs:
+                size = t.numel() // (shape[0] if flat else shape[0] * seq)  # elements per token
+                cells = fresh_runs(t, [(first * size, (first + n) * size)
+                                       for first, n in zip(firsts, counts)], queue)
+            elif flat:
+                cells = [fresh(t.narrow(0, first, n), queue) for first, n in zip(firsts, counts)]
+            else:
+                cells = [fresh(t.narrow(0, span.row, 1).narrow(1, span.start, n), queue)
+                         for span, n in zip(spans, counts)]
+            for span, n, cell in zip(spans, counts, cells):
+                out.append((i, span.request, (n, *rest) if flat else (1, n, *rest), cell))
         return out
 
     def _write_tensors(self, rnd, frame, side, dumpable, stats, named, kernel):

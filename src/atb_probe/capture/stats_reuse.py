@@ -47,7 +47,7 @@ import weakref
 import torch
 
 from ..stats_cell import EMPTY, QUEUED, new_cell, new_serial, waits_in
-from .stats_compute import DeviceStatistics, compute, is_dense
+from .stats_compute import DeviceStatistics, compute, compute_runs, is_dense
 from .tensors import storage_key
 
 # Entries that can no longer be used (their tensor died, or changed since: versions only grow)
@@ -103,12 +103,13 @@ class Queue:
     """Tensors of one thread's layer-level op execution whose statistics are pending, and
     their cells (see the module docstring)."""
 
-    __slots__ = ("tensors", "cells", "nbytes", "serial", "device")
+    __slots__ = ("tensors", "cells", "runs", "nbytes", "serial", "device")
 
     def __init__(self, device: DeviceStatistics):
         self.device = device  # where accelerator tensors are reduced
         self.tensors: list = []
         self.cells: list = []
+        self.runs: list = []  # (host tensor, its runs, their cells): `StatsCache.fresh_runs`
         self.nbytes = 0       # bytes of the tensors kept alive for it
         self.serial = new_serial()  # what its cells say they wait in
 
@@ -118,6 +119,9 @@ class Queue:
             tensors, cells = self.tensors, self.cells
             self.tensors, self.cells, self.nbytes = [], [], 0
             compute(tensors, cells, self.device)
+        if self.runs:
+            runs, self.runs, self.nbytes = self.runs, [], 0
+            compute_runs(runs)
 
 
 class StatsCache:
@@ -248,6 +252,16 @@ class StatsCache:
         """A new cell for `t` pending in `queue`, with no lookup and nothing kept: for a tensor
         made only to be measured (a request's slice of another), which dies with the queue."""
         return self._new(t, queue)
+
+    @staticmethod
+    def fresh_runs(t, runs: list, queue: Queue) -> list:
+        """`fresh` cells of slices of a contiguous host tensor `t`, each a run (start, stop) of
+        its elements in storage order (a request's tokens), pending in `queue`: measured
+        from `t` itself when the queue resolves, no tensor made per slice."""
+        cells = [EMPTY if start >= stop else new_cell(queue.serial) for start, stop in runs]
+        queue.runs.append((t, runs, cells))
+        queue.nbytes += t.numel() * t.element_size()
+        return cells
 
     @staticmethod
     def _new(t, queue: Queue):
