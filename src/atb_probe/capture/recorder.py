@@ -567,12 +567,11 @@ class Recorder:
         spans = tokens.requests
         for i, t in enumerate(tensors):
             shape = t.shape
-            runs = t.is_cpu and t.is_contiguous() and t.numel()
             if not tokens.has_token_dim(shape):
                 if by_row and tokens.has_request_rows(shape):  # each request's row
                     dims = (1, *shape[1:])
                     rows = [tokens.request_row(span) for span in spans]
-                    if runs:
+                    if _runs_of(t):
                         size = t.numel() // shape[0]
                         cells = fresh_runs(t, [(r * size, (r + 1) * size) for r in rows], queue)
                     else:
@@ -587,7 +586,7 @@ class Recorder:
                 rest = shape[2:]
                 firsts = [span.row * seq + span.start for span in spans]
             counts = [span.stop - span.start for span in spans]
-            if runs:
+            if _runs_of(t):
                 size = t.numel() // (shape[0] if flat else shape[0] * seq)  # elements per token
                 cells = fresh_runs(t, [(first * size, (first + n) * size)
                                        for first, n in zip(firsts, counts)], queue)
@@ -708,6 +707,12 @@ def _safe_label(label: str) -> str:
 
 
 _INDEX = tuple(str(i) for i in range(64))
+
+
+def _runs_of(t: torch.Tensor) -> bool:
+    """Whether slices of `t` are measured as runs of its memory (`StatsCache.fresh_runs`): a
+    contiguous, non-empty host tensor."""
+    return t.is_cpu and t.is_contiguous() and t.numel() > 0
 
 
 def _request_rows(request_cells: list, dumpable: list, labels: list) -> list:

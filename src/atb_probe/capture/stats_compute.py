@@ -73,28 +73,20 @@ def compute(tensors: list, cells: list, device: DeviceStatistics) -> None:
 def compute_runs(entries: list) -> None:
     """Fill the cells of slices of contiguous host tensors: `entries` holds (tensor, runs,
     cells), a run (start, stop) being a slice of the tensor's elements in storage order and
-    its cell EMPTY when the run is. Each slice gets what `compute` gives the tensor
-    `t.view(-1)[start:stop]`, bit for bit: the sums are reduced slice by slice over the same
-    memory, max and min of small slices by one `reduceat` over the tensor."""
-    with np.errstate(all="ignore"):
-        for t, runs, cells in entries:
-            x = prepare(t)
-            a = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1)
-            kept = [(start, stop, cell) for (start, stop), cell in zip(runs, cells)
-                    if start < stop]
-            highs = lows = None
-            if len(kept) >= 3 and all(stop - start <= SMALL for start, stop, _ in kept) and \
-                    all(kept[k][1] <= kept[k + 1][0] for k in range(len(kept) - 1)):
-                # reduceat over (start, stop) pairs: the even results are the runs (an index
-                # equal to the array's size is not allowed; the last run then goes to the end).
-                bounds = [i for start, stop, _ in kept for i in (start, stop)]
-                if bounds[-1] == a.size:
-                    bounds.pop()
-                highs = np.maximum.reduceat(a, bounds)[::2].tolist()
-                lows = np.minimum.reduceat(a, bounds)[::2].tolist()
-            for k, (start, stop, cell) in enumerate(kept):
-                part = a[start:stop]
-                fill(cell, _one(part) if highs is None else _one(part, highs[k], lows[k]))
+    its cell EMPTY when the run is. Each tensor is prepared once and its runs are numpy views
+    of it, all measured as one `_host` batch: each slice gets what `compute` gives the tensor
+    `t.view(-1)[start:stop]`, bit for bit."""
+    arrays, host_cells = [], []
+    for t, runs, cells in entries:
+        x = prepare(t)
+        a = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1)
+        for (start, stop), cell in zip(runs, cells):
+            if start < stop:
+                arrays.append(a[start:stop])
+                host_cells.append(cell)
+    if arrays:
+        with np.errstate(all="ignore"):
+            _host(arrays, host_cells)
 
 
 # Tensors of one dtype, from this many on, are reduced together by segments (`segment_rows`),
