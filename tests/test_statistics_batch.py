@@ -1,8 +1,9 @@
 """Statistics computed in batches give the numbers of one tensor at a time.
 
 The CPU path batches max and min of small tensors (`reduceat` over their concatenation) and keeps
-numpy's own `add.reduce` and `dot` per tensor: checked bit for bit against the per-tensor
-formula the probe used before batching. The accelerator path (run here on CPU tensors) reduces
+numpy's own `add.reduce` and BLAS `dot` per tensor (taken through `matmul`, which keeps the
+GIL where `np.dot` gives it up): checked bit for bit against the per-tensor formula the probe
+used before batching, `np.dot` included. The accelerator path (run here on CPU tensors) reduces
 a batch's tensors of one dtype by segments, or tensor by tensor, with float64 sums, and brings
 all rows of a batch back in one copy: tensor by tensor it gives the per-tensor torch formula bit
 for bit; by segments, and against the host's float32 sums, the same to float32 rounding.
@@ -16,6 +17,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from atb_probe.capture import stats_compute as statistics
 from atb_probe.capture.landing import Landings
@@ -115,6 +117,15 @@ def _cells(n: int) -> list[bytearray]:
 def _same(a, b) -> bool:
     """Bit-identical tuples of floats (nan equal to nan, -0.0 told from 0.0)."""
     return [repr(float(x)) for x in a] == [repr(float(x)) for x in b]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 70000), st.integers(0, 15), st.sampled_from([np.float32, np.float64]),
+       st.integers(-30, 30))
+def test_the_sum_of_squares_is_np_dot_bit_for_bit(size, offset, dtype, scale):
+    data = np.random.default_rng(size).standard_normal(size + offset).astype(dtype) * 2.0 ** scale
+    a = data[offset:]  # every alignment of the BLAS kernel's loads
+    assert statistics._square_sum(a) == float(np.dot(a, a))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

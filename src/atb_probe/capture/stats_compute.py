@@ -15,10 +15,13 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
   are results, not errors: numpy is kept from warning about them in the user's process.
 * CPU tensors are reduced by numpy: single-threaded, so a busy machine's thread pool never
   makes a small reduction wait. The sum is numpy's `add.reduce` (pairwise) and the sum of
-  squares `np.dot` (BLAS) of each tensor, as before; max and min of the small tensors of a
-  batch come from one `reduceat` over their concatenation (max and min do not depend on the
-  order, and numpy's `reduceat` gives the same values as a `reduce` per tensor, signed zeros
-  and nan included).
+  squares the BLAS dot product of each tensor with itself, as before; max and min of the small
+  tensors of a batch come from one `reduceat` over their concatenation (max and min do not
+  depend on the order, and numpy's `reduceat` gives the same values as a `reduce` per tensor,
+  signed zeros and nan included). The dot product is taken as `a @ a`, not `np.dot(a, a)`: the
+  same BLAS call and the same bits, but `np.dot` gives up the GIL around it, and taking it back
+  while another thread runs Python (the writer formatting rows, the user's own threads) costs
+  up to the interpreter's switch interval, 5 ms, each time (`_square_sum`).
 * Accelerator tensors are reduced on their device, the sum and the sum of squares accumulated
   in float64 (more exact than float32 and beyond its range, so no overflow fallback and no
   second pass: a small decode step on a GPU is bound by kernel launches, so the device path
@@ -153,7 +156,7 @@ def _one_quiet(a) -> tuple:
     high, low = float(_max(a)), float(_min(a))
     limit = _LIMITS.get(a.dtype.char, 0.0) / math.sqrt(a.size)
     if -limit < low and high < limit and _default_errstate():
-        return high, low, float(_sum(a)) / a.size, math.sqrt(float(np.dot(a, a)))
+        return high, low, float(_sum(a)) / a.size, math.sqrt(_square_sum(a))
     with np.errstate(all="ignore"):
         return _one(a, high, low)
 
@@ -184,11 +187,17 @@ def _one(a, high=None, low=None) -> tuple:
     """(Inside `np.errstate`.) The statistics of a flat float32/float64 numpy array."""
     if high is None:
         high, low = float(_max(a)), float(_min(a))
-    total, squares = float(_sum(a)), float(np.dot(a, a))
+    total, squares = float(_sum(a)), _square_sum(a)
     if not (_isfinite(total) and _isfinite(squares)) and _overflowed(high, low, total, squares):
         a = a.astype(np.float64)
-        total, squares = float(_sum(a)), float(np.dot(a, a))
+        total, squares = float(_sum(a)), _square_sum(a)
     return high, low, total / a.size, math.sqrt(squares)
+
+
+def _square_sum(a) -> float:
+    """The sum of squares of a flat float32/float64 array: BLAS `dot(a, a)` as `np.dot` computes
+    it (bit for bit), through `matmul`, which keeps the GIL where `np.dot` releases it."""
+    return float(a @ a)
 
 
 def device_row(x: torch.Tensor) -> torch.Tensor:
