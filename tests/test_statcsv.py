@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from atb_probe.stats_cell import fill, new_cell, new_serial
-from atb_probe.statcsv import (NA, STAT_COLUMNS, Stats, format_number, format_sides,
-                              is_empty_shape, mark_missing, parse_shape, parse_stats, shape_cell,
+from atb_probe.statcsv import (NA, STAT_COLUMNS, Stats, format_number,
+                              format_request_sides, format_sides, is_empty_shape, mark_missing, parse_shape, parse_stats, shape_cell,
                               tensor_path_cell)
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=12) | \
@@ -68,6 +68,31 @@ def test_records_format_as_csv_writer_does(records):
         if r[10] is not None:
             for cell, value in zip(row[10:14], r[10]):
                 assert (math.isnan(value) and cell == "nan") or float(cell) == value
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(RECORD, max_size=6))
+def test_request_records_format_as_csv_writer_does(records):
+    # request_statistic.csv: the last cell of a row is its request, after Tensor Path N/A.
+    records = [r[:8] + ("nd",) + r[9:11] + (r[11] or "",) for r in records]
+    sides = []
+    for r in records:
+        row = (r[6], r[7], shape_cell(r[9]), None if r[10] is None else ready(r[10]), r[11])
+        if sides and sides[-1][:6] == r[:6]:
+            sides[-1] += row
+        else:
+            sides.append(r[:6] + row)
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    for r in records:
+        stats = [NA] * 4 if r[10] is None else [format_number(v) for v in r[10]]
+        writer.writerow([*r[:8], "nd", "x".join(map(str, r[9])), *stats, NA, r[11]])
+    text = format_request_sides(sides)
+    if not any("\r" in cell for r in records for cell in (*r[:9], r[11])):
+        assert text == buf.getvalue()
+    parsed = list(csv.reader(io.StringIO(text, newline="")))
+    assert [row[:9] + row[14:] for row in parsed] == \
+        [list(r[:9]) + [NA, r[11]] for r in records]
 
 
 def _path(record) -> str:

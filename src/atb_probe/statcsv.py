@@ -124,15 +124,23 @@ def format_request_sides(sides: Iterable[tuple]) -> str:
     lines = []
     add = lines.append
     numbers: dict = {}
+    requests: dict = {}  # request -> its cell and N/A before it (a handful per call)
     for side in sides:
-        head = ",".join(map(_cell, side[:HEAD_CELLS]))
+        head = ",".join(side[:HEAD_CELLS])
+        if head.count(",") != HEAD_CELLS - 1 or not _QUOTED.isdisjoint(head):
+            head = ",".join(map(_cell, side[:HEAD_CELLS]))  # a cell needs quotes
         cells = iter(side[HEAD_CELLS:])
         for index, dtype, shape, stat, request in zip(cells, cells, cells, cells, cells):
             stats = numbers.get(id(stat))
             if stats is None:
                 st = values(stat)
                 stats = numbers[id(stat)] = _NA_STATS if st is None else "%r,%r,%r,%r" % st
-            add(f"{head},{_cell(index)},{dtype},nd,{shape},{stats},{NA},{_cell(request)}\n")
+            tail = requests.get(request)
+            if tail is None:
+                tail = requests[request] = f"{NA},{_cell(request)}\n"
+            if not index.isdigit():
+                index = _cell(index)
+            add(f"{head},{index},{dtype},nd,{shape},{stats},{tail}")
     return "".join(lines)
 
 
