@@ -220,3 +220,8 @@ def test_which_tensors_have_the_token_dimension_and_when_requests_are_split():
     assert batch.per_request
     assert batch.has_token_dim((2, 5, 32)) and not batch.has_token_dim((5, 2, 32)) and \
         not batch.has_token_dim((2,))
+    many = TokenLayout(Source.VLLM, Arrangement.FLAT, 300, 1,
+                       tuple(RequestSpan(f"r{i}", 0, i, i + 1, 7, p) for i in range(300)))
+    for layout in (flat, batch, many):  # each request's row in a tensor with one per request
+        assert layout.request_rows() == [layout.request_row(s) for s in layout.requests]
+    assert batch.request_rows() == [0, 1] and many.request_rows()[-1] == 299

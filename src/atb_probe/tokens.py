@@ -103,6 +103,13 @@ class TokenLayout:
         """The row of `span`'s request in a tensor with a row per request."""
         return span.row if self.arrangement is Arrangement.BATCH else self.requests.index(span)
 
+    def request_rows(self) -> list[int]:
+        """`request_row` of each of the requests, in order (in one pass: a step of a serving
+        engine may hold hundreds)."""
+        if self.arrangement is Arrangement.BATCH:
+            return [span.row for span in self.requests]
+        return list(range(len(self.requests)))
+
     def doc(self) -> dict:
         """The tokens.json document (docs/format.md)."""
         return {

@@ -570,7 +570,7 @@ class Recorder:
             if not tokens.has_token_dim(shape):
                 if by_row and tokens.has_request_rows(shape):  # each request's row
                     dims = (1, *shape[1:])
-                    rows = [tokens.request_row(span) for span in spans]
+                    rows = tokens.request_rows()
                     if _runs_of(t):
                         size = t.numel() // shape[0]
                         cells = fresh_runs(t, [(r * size, (r + 1) * size) for r in rows], queue)
