@@ -86,6 +86,14 @@ def side_rows(side: tuple) -> int:
     return (len(side) - HEAD_CELLS) // ROW_CELLS
 
 
+def _head(side: tuple) -> str:
+    """The csv text of a side record's head cells (the first six of each of its rows)."""
+    head = ",".join(side[:HEAD_CELLS])
+    if head.count(",") != HEAD_CELLS - 1 or not _QUOTED.isdisjoint(head):
+        head = ",".join(map(_cell, side[:HEAD_CELLS]))  # a cell needs quotes
+    return head
+
+
 def format_sides(sides: Iterable[tuple], round_path: str = "") -> str:
     """CSV text of the rows of side records (see above), whose Tensor Paths are below
     `round_path` (the round folder's absolute path): the same text `csv.writer` makes of the
@@ -98,9 +106,7 @@ def format_sides(sides: Iterable[tuple], round_path: str = "") -> str:
     # input): each is formatted once. Keyed by id: `sides` keeps them all alive.
     numbers: dict = {id(None): _NA_STATS}
     for side in sides:
-        head = ",".join(side[:HEAD_CELLS])
-        if head.count(",") != HEAD_CELLS - 1 or not _QUOTED.isdisjoint(head):
-            head = ",".join(map(_cell, side[:HEAD_CELLS]))  # a cell needs quotes
+        head = _head(side)
         cells = iter(side[HEAD_CELLS:])
         for index, dtype, shape, stat, file in zip(cells, cells, cells, cells, cells):
             stats = numbers.get(id(stat))
@@ -126,9 +132,7 @@ def format_request_sides(sides: Iterable[tuple]) -> str:
     numbers: dict = {}
     requests: dict = {}  # request -> its cell and N/A before it (a handful per call)
     for side in sides:
-        head = ",".join(side[:HEAD_CELLS])
-        if head.count(",") != HEAD_CELLS - 1 or not _QUOTED.isdisjoint(head):
-            head = ",".join(map(_cell, side[:HEAD_CELLS]))  # a cell needs quotes
+        head = _head(side)
         cells = iter(side[HEAD_CELLS:])
         for index, dtype, shape, stat, request in zip(cells, cells, cells, cells, cells):
             stats = numbers.get(id(stat))
