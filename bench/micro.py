@@ -16,6 +16,12 @@ layer's: hidden state, two position embeddings, two index tensors, a cache objec
 `kernel-track` (every kernel tracked, nothing written) and `kernel-stat` (statistics of every
 kernel: views, a matmul and element-wise ops, as in a Linear). Each prints the un-probed and
 probed time per op and their difference.
+
+Then the writer's side of a statistics dump: microseconds per statistic.csv row
+(`statcsv.format_sides`) and per request_statistic.csv row (`format_request_sides`), on side
+records shaped like a `save_child` dump's (most sides one row, every other row's statistics
+shared with the row before, as a view's are; 8 requests per row). The writer formats rows on
+its own thread, but holding the GIL the model thread needs.
 """
 from __future__ import annotations
 
@@ -107,6 +113,44 @@ def _best_time(model, args, kwargs, repeats: int, clock=time.perf_counter) -> fl
     return best
 
 
+def _side_records(sides: int, requests: int = 0) -> list:
+    """Side records (statcsv.py) of `sides` kernel sides, like a `save_child` statistics dump's:
+    one row each but every third (two rows), every other row's statistics shared with the
+    row before; with `requests`, each row once per request (request_statistic.csv's)."""
+    from atb_probe.statcsv import shape_cell
+    from atb_probe.stats_cell import fill, new_cell, new_serial
+    serial, records, cell = new_serial(), [], None
+    for n in range(sides):
+        layer, kernel = divmod(n // 2, 60)
+        head = ("0_1234", "3", f"LlamaForCausalLM/LlamaDecoderLayer_{layer + 2}/MulKernel_{kernel}",
+                "MulKernel", f"{layer + 2}_{kernel}", ("input", "output")[n % 2])
+        rows = []
+        for i in range(2 if n % 3 == 0 else 1):
+            if cell is None or n % 2:
+                cell = new_cell(serial)
+                fill(cell, (n * 0.37, -n * 0.11, n / 7, n * 1.3))
+            for request in (range(requests) if requests else (None,)):
+                rows += (str(i), "float", shape_cell((1, 4, 64)), cell,
+                         None if request is None else f"cmpl-{request}")
+        records.append((*head, *rows))
+    return records
+
+
+def _row_costs(repeats: int) -> None:
+    """Microseconds per csv row of the writer's two formatters."""
+    from atb_probe.statcsv import format_request_sides, format_sides, side_rows
+    for name, records, fmt in (
+            ("statistic.csv", _side_records(10_000), lambda r: format_sides(r, "/dump/0")),
+            ("request_statistic.csv", _side_records(2_000, requests=8), format_request_sides)):
+        rows = sum(side_rows(r) for r in records)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fmt(records)
+            best = min(best, time.perf_counter() - start)
+        print(f"{name:<24}{best / rows * 1e6:>8.2f} us a row ({rows} rows)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gc", action="store_true", help="leave the garbage collector on")
@@ -135,6 +179,8 @@ def main(argv=None) -> int:
                     atb_probe.disable(timeout=60)
             print(f"{name:<14}{plain * 1e6:>17.1f}{probed * 1e6:>14.1f}"
                   f"{(probed - plain) * 1e6:>13.1f}")
+    print("writer, formatting rows:")
+    _row_costs(opts.repeats)
     return 0
 
 

@@ -42,13 +42,13 @@ def format_number(value: float | None) -> str:
 
 
 _NA_STATS = ",".join((NA, NA, NA, NA))
-_SPECIAL = frozenset(',"\r\n')
-_QUOTED = frozenset('"\r\n')  # with a comma, what makes a cell need quotes
 
 
 def _cell(text: str) -> str:
-    """A csv cell as `csv.writer` writes it by default: quoted only when it must be."""
-    if _SPECIAL.isdisjoint(text):
+    """A csv cell as `csv.writer` writes it by default: quoted only when it must be (a
+    comma, a quote or a line break in it)."""
+    # `in` scans a str in C: several times faster than asking a set of these characters.
+    if "," not in text and '"' not in text and "\n" not in text and "\r" not in text:
         return text
     return '"' + text.replace('"', '""') + '"'
 
@@ -89,7 +89,7 @@ def side_rows(side: tuple) -> int:
 def _head(side: tuple) -> str:
     """The csv text of a side record's head cells (the first six of each of its rows)."""
     head = ",".join(side[:HEAD_CELLS])
-    if head.count(",") != HEAD_CELLS - 1 or not _QUOTED.isdisjoint(head):
+    if head.count(",") != HEAD_CELLS - 1 or '"' in head or "\n" in head or "\r" in head:
         head = ",".join(map(_cell, side[:HEAD_CELLS]))  # a cell needs quotes
     return head
 
@@ -105,11 +105,15 @@ def format_sides(sides: Iterable[tuple], round_path: str = "") -> str:
     # Statistics are shared between the rows of the same values (a view, the next kernel's
     # input): each is formatted once. Keyed by id: `sides` keeps them all alive.
     numbers: dict = {id(None): _NA_STATS}
+    known = numbers.get
     for side in sides:
         head = _head(side)
-        cells = iter(side[HEAD_CELLS:])
-        for index, dtype, shape, stat, file in zip(cells, cells, cells, cells, cells):
-            stats = numbers.get(id(stat))
+        end = len(side)
+        at = HEAD_CELLS
+        while at < end:  # most sides have one row: a slice per row beats zip over an iterator
+            index, dtype, shape, stat, file = side[at:at + ROW_CELLS]
+            at += ROW_CELLS
+            stats = known(id(stat))
             if stats is None:
                 st = values(stat)
                 # repr: the shortest text that reads back as the same float (format_number)
@@ -131,11 +135,15 @@ def format_request_sides(sides: Iterable[tuple]) -> str:
     add = lines.append
     numbers: dict = {}
     requests: dict = {}  # request -> its cell and N/A before it (a handful per call)
+    known = numbers.get
     for side in sides:
         head = _head(side)
-        cells = iter(side[HEAD_CELLS:])
-        for index, dtype, shape, stat, request in zip(cells, cells, cells, cells, cells):
-            stats = numbers.get(id(stat))
+        end = len(side)
+        at = HEAD_CELLS
+        while at < end:
+            index, dtype, shape, stat, request = side[at:at + ROW_CELLS]
+            at += ROW_CELLS
+            stats = known(id(stat))
             if stats is None:
                 st = values(stat)
                 stats = numbers[id(stat)] = _NA_STATS if st is None else "%r,%r,%r,%r" % st
