@@ -184,6 +184,38 @@ def test_runs_of_a_tensor_get_the_statistics_of_their_slices_bit_for_bit(seed, w
                 assert _same(stats_of(cell), _numpy_one(piece)), (t.dtype, start, stop)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("width", [1, 7, 256, 5000])
+def test_runs_of_one_length_one_after_another_get_their_slices_statistics_bit_for_bit(
+        seed, width):
+    # A token per request (a decode step), or the rows of a batch: one 2-D view of the runs.
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(8, width, generator=g) * 1000
+    base[1, :1] = float("nan")
+    base[3, -1] = float("-inf")
+    base[4] = -0.0
+    base[6] = 3e19  # float32 sums overflow: float64 again
+    for t in (base, base.to(torch.bfloat16), base.double(), base > 0, torch._neg_view(base)):
+        for first, count in ((0, 8), (width, 5), (3 * width, 2)):
+            runs = [(first + k * width, first + (k + 1) * width) for k in range(count)]
+            cells = _run_slices(t, runs)
+            for (start, stop), cell in zip(runs, cells):
+                piece = t.reshape(-1)[start:stop]
+                assert _same(stats_of(cell), _numpy_one(piece)), (t.dtype, start, stop)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 9000), st.integers(2, 9), st.integers(0, 5),
+       st.sampled_from([torch.float32, torch.float64]), st.integers(-30, 30))
+def test_equal_runs_of_any_size_and_alignment_match_their_slices(width, count, offset, dtype,
+                                                                 scale):
+    g = torch.Generator().manual_seed(width * 31 + count)
+    t = (torch.randn(offset + count * width + 3, generator=g) * 2.0 ** scale).to(dtype)
+    runs = [(offset + k * width, offset + (k + 1) * width) for k in range(count)]
+    for (start, stop), cell in zip(runs, _run_slices(t, runs)):
+        assert _same(stats_of(cell), _numpy_one(t[start:stop]))
+
+
 def test_an_empty_run_gets_an_empty_cell_and_the_others_their_values():
     t = torch.arange(12, dtype=torch.float32)
     cells = _run_slices(t, [(0, 4), (4, 4), (4, 12)])
