@@ -37,6 +37,7 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -160,7 +161,8 @@ def _host(arrays: list, cells: list) -> None:
         if len(small) < 3:
             continue
         parts = [arrays[i] for i in small]
-        starts = np.cumsum([0] + [a.size for a in parts[:-1]])
+        # (np.cumsum of a list takes numpy's slow path: about 5 us more)
+        starts = list(accumulate([a.size for a in parts[:-1]], initial=0))
         joined = np.concatenate(parts)
         for i, high, low in zip(small, np.maximum.reduceat(joined, starts).tolist(),
                                 np.minimum.reduceat(joined, starts).tolist()):
