@@ -20,7 +20,7 @@ probed time per op and their difference.
 Then the writer's side of a statistics dump: microseconds per statistic.csv row
 (`statcsv.format_sides`) and per request_statistic.csv row (`format_request_sides`), on side
 records shaped like a `save_child` dump's (most sides one row, every other row's statistics
-shared with the row before, as a view's are; 8 requests per row). The writer formats rows on
+shared with the row before, as a view's are; 8 requests per row, each with its own). The writer formats rows on
 its own thread, but holding the GIL the model thread needs.
 """
 from __future__ import annotations
@@ -116,7 +116,8 @@ def _best_time(model, args, kwargs, repeats: int, clock=time.perf_counter) -> fl
 def _side_records(sides: int, requests: int = 0) -> list:
     """Side records (statcsv.py) of `sides` kernel sides, like a `save_child` statistics dump's:
     one row each but every third (two rows), every other row's statistics shared with the
-    row before; with `requests`, each row once per request (request_statistic.csv's)."""
+    row before; with `requests`, each row once per request, each with statistics of its own
+    (request_statistic.csv's)."""
     from atb_probe.statcsv import shape_cell
     from atb_probe.stats_cell import fill, new_cell, new_serial
     serial, records, cell = new_serial(), [], None
@@ -126,12 +127,15 @@ def _side_records(sides: int, requests: int = 0) -> list:
                 "MulKernel", f"{layer + 2}_{kernel}", ("input", "output")[n % 2])
         rows = []
         for i in range(2 if n % 3 == 0 else 1):
-            if cell is None or n % 2:
+            if not requests:
+                if cell is None or n % 2:
+                    cell = new_cell(serial)
+                    fill(cell, (n * 0.37, -n * 0.11, n / 7, n * 1.3))
+                rows += (str(i), "float", shape_cell((1, 4, 64)), cell, None)
+            for request in range(requests):  # each request's slice: statistics of its own
                 cell = new_cell(serial)
-                fill(cell, (n * 0.37, -n * 0.11, n / 7, n * 1.3))
-            for request in (range(requests) if requests else (None,)):
-                rows += (str(i), "float", shape_cell((1, 4, 64)), cell,
-                         None if request is None else f"cmpl-{request}")
+                fill(cell, (n * 0.37 + request, -n * 0.11, n / 7 - request, n * 1.3))
+                rows += (str(i), "float", shape_cell((1, 64)), cell, f"cmpl-{request}")
         records.append((*head, *rows))
     return records
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Mapping, NamedTuple
 
-from .stats_cell import values
+from .stats_cell import READY, unpack, values
 
 FILE_NAME = "statistic.csv"  # one per round directory
 COLUMNS = ("Device and PID", "Execution Count", "Op Name", "Op Type", "Op Id", "Input/Output",
@@ -133,9 +133,7 @@ def format_request_sides(sides: Iterable[tuple]) -> str:
     above)."""
     lines = []
     add = lines.append
-    numbers: dict = {}
     requests: dict = {}  # request -> its cell and N/A before it (a handful per call)
-    known = numbers.get
     for side in sides:
         head = _head(side)
         end = len(side)
@@ -143,10 +141,9 @@ def format_request_sides(sides: Iterable[tuple]) -> str:
         while at < end:
             index, dtype, shape, stat, request = side[at:at + ROW_CELLS]
             at += ROW_CELLS
-            stats = known(id(stat))
-            if stats is None:
-                st = values(stat)
-                stats = numbers[id(stat)] = _NA_STATS if st is None else "%r,%r,%r,%r" % st
+            # Each request's slice has statistics of its own: none to share between rows.
+            stats = "%r,%r,%r,%r" % unpack(stat)[:4] if stat is not None and \
+                stat[-1] == READY else _NA_STATS  # `values`, inline
             tail = requests.get(request)
             if tail is None:
                 tail = requests[request] = f"{NA},{_cell(request)}\n"

@@ -25,7 +25,7 @@ import struct
 READY, NO_VALUES, QUEUED, DEVICE = 0, 1, 2, 3
 _CELL = struct.Struct("=4dqB")
 pack = _CELL.pack_into  # pack(cell, 0, max, min, mean, norm, serial, state)
-_unpack = _CELL.unpack_from
+unpack = _CELL.unpack_from  # unpack(cell) -> (max, min, mean, norm, serial, state)
 _SERIAL = struct.Struct("=q")
 _serial_of = _SERIAL.unpack_from
 _SERIAL_AT = 32
@@ -64,4 +64,4 @@ def values(cell: bytearray | None):
     was never computed)."""
     if cell is None or cell[-1] != READY:
         return None
-    return _unpack(cell)[:4]
+    return unpack(cell)[:4]
