@@ -16,6 +16,12 @@ csv rows are batched per file and appended atomically (see `SafeTree.append_line
 `ROWS_DELAY` seconds, and at once on `flush`/`close`. Queued and batched bytes both count in
 `bytes_queued` until they are on disk.
 
+The writer thread runs at the lowest CPU priority (`yield_the_cores`): a model's own threads
+(OpenMP, oneDNN) often wait for each other by spinning on every core, and a writer at their
+priority that takes a core from one of them in the middle of a kernel stalls the whole kernel
+until that thread runs again. At the lowest priority it writes in the cores' idle time, and
+the bounded queue keeps it from falling far behind.
+
 A job is a typed record (record/jobs.py) that carries everything the writer needs: a tensor
 file's job holds the Tensor Path cell of the row that names it, and marks it missing when the
 file is skipped, so that row says N/A. The writer imports no torch and calls nothing of the
@@ -32,6 +38,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -270,6 +277,7 @@ class Writer:
             self._thread.start()
 
     def _run(self) -> None:
+        yield_the_cores()
         while True:
             with self._cond:
                 job = None
@@ -435,6 +443,29 @@ def _unname(job: TensorFileJob) -> None:
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / 1024 ** 2:.1f} MiB"
+
+
+WRITER_NICE = 19  # the lowest priority of SCHED_OTHER, which any thread may take
+
+
+def yield_the_cores() -> None:
+    """Give the calling thread the CPU priority `ATB_PROBE_WRITER_NICE` says (default 19, the
+    lowest; 0 leaves it as the process's, as does any value not above the process's own): on
+    Linux, where each thread has a nice value of its own. Lowering one needs privileges and
+    is never asked for."""
+    if not sys.platform.startswith("linux"):
+        return  # elsewhere PRIO_PROCESS with a thread ID would renice the whole process
+    raw = os.environ.get("ATB_PROBE_WRITER_NICE", "")
+    try:
+        nice = min(19, int(raw)) if raw else WRITER_NICE
+    except ValueError:
+        nice = WRITER_NICE
+    try:
+        tid = threading.get_native_id()
+        if nice > os.getpriority(os.PRIO_PROCESS, tid):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        pass  # refused (a sandbox): the writer runs at the process's priority
 
 
 def _min_free_from_env() -> int:
