@@ -20,8 +20,8 @@ probed time per op and their difference.
 Then the writer's side of a statistics dump: microseconds per statistic.csv row
 (`statcsv.format_sides`) and per request_statistic.csv row (`format_request_sides`), on side
 records shaped like a `save_child` dump's (most sides one row, every other row's statistics
-shared with the row before, as a view's are; 8 requests per row, each with its own). The writer formats rows on
-its own thread, but holding the GIL the model thread needs.
+shared with the row before, as a view's are; 8 requests per row, each with its own). The
+writer formats rows on its own thread, but holding the GIL the model thread needs.
 """
 from __future__ import annotations
 
@@ -123,8 +123,9 @@ def _side_records(sides: int, requests: int = 0) -> list:
     serial, records, cell = new_serial(), [], None
     for n in range(sides):
         layer, kernel = divmod(n // 2, 60)
-        head = ("0_1234", "3", f"LlamaForCausalLM/LlamaDecoderLayer_{layer + 2}/MulKernel_{kernel}",
-                "MulKernel", f"{layer + 2}_{kernel}", ("input", "output")[n % 2])
+        name = f"LlamaForCausalLM/LlamaDecoderLayer_{layer + 2}/MulKernel_{kernel}"
+        head = ("0_1234", "3", name, "MulKernel", f"{layer + 2}_{kernel}",
+                ("input", "output")[n % 2])
         rows = []
         for i in range(2 if n % 3 == 0 else 1):
             if not requests:

@@ -86,11 +86,9 @@ def compute_runs(entries: list) -> None:
         for t, runs, cells in entries:
             x = prepare(t)
             a = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1)
-            first, stop = runs[0]
-            size = stop - first
-            if len(runs) > 1 and size > 0 and \
-                    all(r == (first + k * size, first + (k + 1) * size) for k, r in enumerate(runs)):
-                _rows(a[first:first + len(runs) * size].reshape(len(runs), size), cells)
+            if _one_after_another(runs):
+                first, stop = runs[0]
+                _rows(a[first:first + len(runs) * (stop - first)].reshape(len(runs), -1), cells)
                 continue
             for (start, stop), cell in zip(runs, cells):
                 if start < stop:
@@ -98,6 +96,16 @@ def compute_runs(entries: list) -> None:
                     host_cells.append(cell)
         if arrays:
             _host(arrays, host_cells)
+
+
+def _one_after_another(runs: list) -> bool:
+    """Two runs or more, of one length (not empty), each starting where the one before ends."""
+    if len(runs) < 2:
+        return False
+    first, stop = runs[0]
+    size = stop - first
+    return size > 0 and all(run == (first + k * size, first + (k + 1) * size)
+                            for k, run in enumerate(runs))
 
 
 def _rows(m, cells: list) -> None:
