@@ -19,8 +19,11 @@ csv rows are batched per file and appended atomically (see `SafeTree.append_line
 The writer thread runs at the lowest CPU priority (`yield_the_cores`): a model's own threads
 (OpenMP, oneDNN) often wait for each other by spinning on every core, and a writer at their
 priority that takes a core from one of them in the middle of a kernel stalls the whole kernel
-until that thread runs again. At the lowest priority it writes in the cores' idle time, and
-the bounded queue keeps it from falling far behind.
+until that thread runs again. At the lowest priority it writes in the time the cores leave
+idle. When a thread waits for it (a producer for room, `flush`, `close`), waiting is all that
+thread does, and other processes may keep the cores busy: the writer is then handed over to a
+new thread at the process's priority (a thread cannot take back a priority it gave up), which
+yields the cores again once nothing waits (`_hurry`).
 
 A job is a typed record (record/jobs.py) that carries everything the writer needs: a tensor
 file's job holds the Tensor Path cell of the row that names it, and marks it missing when the
@@ -172,6 +175,7 @@ class Writer:
         self._cond = threading.Condition()
         self._busy = False
         self._thread: threading.Thread | None = None
+        self._yielding = False            # `_thread` runs at the lowest priority
         self._rows = RowBatches()
         self._urgent = 0                  # threads waiting for the disk: write rows now
         self._wakes_at = 0.0              # when the sleeping writer wakes on its own (inf: never)
@@ -205,6 +209,7 @@ class Writer:
         self._ensure_thread()
         if self.stats.bytes_queued and self.stats.bytes_queued + size > self.capacity:
             self._urgent += 1
+            self._hurry()
             try:
                 while self.stats.bytes_queued and \
                         self.stats.bytes_queued + size > self.capacity and not self.failed:
@@ -217,6 +222,7 @@ class Writer:
                     self._cond.wait(min(0.5, max(0.01, self.stall_seconds - idle)))
             finally:
                 self._urgent -= 1
+                self._cond.notify_all()  # the writer may yield the cores again
         if self.failed:
             return False
         if not self._jobs and not self._busy:
@@ -229,6 +235,7 @@ class Writer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._urgent += 1
+            self._hurry()
             self._cond.notify_all()
             try:
                 while self._jobs or self._busy or self._rows.waiting:
@@ -240,6 +247,7 @@ class Writer:
                     self._cond.wait(0.1 if left is None else min(left, 0.1))
             finally:
                 self._urgent -= 1
+                self._cond.notify_all()  # the writer may yield the cores again
         return True
 
     def pending(self) -> int:
@@ -272,16 +280,40 @@ class Writer:
     # -- writer thread ------------------------------------------------------------------------
 
     def _ensure_thread(self) -> None:
+        """(Holding `_cond`.) A writer thread, started at the first job, yielding the cores."""
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="atb-probe-writer", daemon=True)
-            self._thread.start()
+            self._start_thread(yielding=True)
 
-    def _run(self) -> None:
-        yield_the_cores()
+    def _hurry(self) -> None:
+        """(Holding `_cond`.) A thread waits for the writer: a writer thread that yields the
+        cores hands over to a new one at the process's priority. The one replaced finishes the
+        job it is writing (the new one waits for that), then ends."""
+        if self._yielding and self._thread is not None and self._thread.is_alive():
+            self._start_thread(yielding=False)
+
+    def _start_thread(self, yielding: bool) -> None:
+        self._yielding = yielding
+        self._thread = threading.Thread(target=self._run, args=(yielding,),
+                                        name="atb-probe-writer", daemon=True)
+        self._thread.start()
+        self._cond.notify_all()
+
+    def _run(self, yielding: bool) -> None:
+        if yielding:
+            yield_the_cores()
+        me = threading.current_thread()
         while True:
             with self._cond:
                 job = None
                 while True:
+                    if self._thread is not me:
+                        return  # handed over (`_hurry`), its job done
+                    if self._busy:  # the thread this one replaced is still writing a job
+                        self._cond.wait(0.1)
+                        continue
+                    if not self._yielding and not self._urgent:
+                        yield_the_cores()  # nothing waits for it any more
+                        self._yielding = True
                     # Rows that are due go first, even while files keep coming: a busy writer
                     # must not let statistic.csv fall behind the files it lists.
                     wait = self._rows_wait() if self._rows.waiting else None
@@ -364,9 +396,12 @@ class Writer:
 
     def _write_rows(self) -> None:
         """Append every waiting row to its file (each file in one atomic step). Never raises:
-        a write error stops the writer."""
+        a write error stops the writer. A thread handed over (`_hurry`) stops after its file."""
+        me = threading.current_thread()
         while True:
             with self._cond:
+                if self._thread is not me:
+                    return
                 taken = self._rows.take()
             if taken is None:
                 return
