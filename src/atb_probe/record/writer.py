@@ -280,9 +280,10 @@ class Writer:
     # -- writer thread ------------------------------------------------------------------------
 
     def _ensure_thread(self) -> None:
-        """(Holding `_cond`.) A writer thread, started at the first job, yielding the cores."""
+        """(Holding `_cond`.) A writer thread, started at the first job, yielding the cores
+        where it can (`yields`)."""
         if self._thread is None or not self._thread.is_alive():
-            self._start_thread(yielding=True)
+            self._start_thread(yielding=yields())
 
     def _hurry(self) -> None:
         """(Holding `_cond`.) A thread waits for the writer: a writer thread that yields the
@@ -311,7 +312,7 @@ class Writer:
                     if self._busy:  # the thread this one replaced is still writing a job
                         self._cond.wait(0.1)
                         continue
-                    if not self._yielding and not self._urgent:
+                    if not self._yielding and not self._urgent and yields():
                         yield_the_cores()  # nothing waits for it any more
                         self._yielding = True
                     # Rows that are due go first, even while files keep coming: a busy writer
@@ -481,6 +482,18 @@ def _size(nbytes: int) -> str:
 
 
 WRITER_NICE = 19  # the lowest priority of SCHED_OTHER, which any thread may take
+
+
+def yields() -> bool:
+    """Whether the writer thread yields the cores here: on Linux, unless
+    `ATB_PROBE_WRITER_NICE` is 0 or less (a thread that does not yield is never handed over)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    raw = os.environ.get("ATB_PROBE_WRITER_NICE", "")
+    try:
+        return not raw or int(raw) > 0
+    except ValueError:
+        return True  # the default
 
 
 def yield_the_cores() -> None:
