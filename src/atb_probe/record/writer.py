@@ -484,30 +484,29 @@ def _size(nbytes: int) -> str:
 WRITER_NICE = 19  # the lowest priority of SCHED_OTHER, which any thread may take
 
 
-def yields() -> bool:
-    """Whether the writer thread yields the cores here: on Linux, unless
-    `ATB_PROBE_WRITER_NICE` is 0 or less (a thread that does not yield is never handed over)."""
-    if not sys.platform.startswith("linux"):
-        return False
+def _nice_from_env() -> int:
+    """`ATB_PROBE_WRITER_NICE` (at most 19), or the default `WRITER_NICE` when unset or bad."""
     raw = os.environ.get("ATB_PROBE_WRITER_NICE", "")
     try:
-        return not raw or int(raw) > 0
+        return min(19, int(raw)) if raw else WRITER_NICE
     except ValueError:
-        return True  # the default
+        return WRITER_NICE
+
+
+def yields() -> bool:
+    """Whether the writer thread yields the cores here: on Linux, where a thread has a nice value
+    of its own, unless `ATB_PROBE_WRITER_NICE` is 0 or less (a thread that does not yield is
+    never handed over)."""
+    return sys.platform.startswith("linux") and _nice_from_env() > 0
 
 
 def yield_the_cores() -> None:
     """Give the calling thread the CPU priority `ATB_PROBE_WRITER_NICE` says (default 19, the
-    lowest; 0 leaves it as the process's, as does any value not above the process's own): on
-    Linux, where each thread has a nice value of its own. Lowering one needs privileges and
-    is never asked for."""
-    if not sys.platform.startswith("linux"):
+    lowest; 0 leaves it as the process's, as does any value not above the thread's own).
+    Lowering one needs privileges and is never asked for."""
+    if not yields():
         return  # elsewhere PRIO_PROCESS with a thread ID would renice the whole process
-    raw = os.environ.get("ATB_PROBE_WRITER_NICE", "")
-    try:
-        nice = min(19, int(raw)) if raw else WRITER_NICE
-    except ValueError:
-        nice = WRITER_NICE
+    nice = _nice_from_env()
     try:
         tid = threading.get_native_id()
         if nice > os.getpriority(os.PRIO_PROCESS, tid):
