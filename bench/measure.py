@@ -289,12 +289,12 @@ def profile_case(case, spec, threads: int, work_dir: str, top: int, save: str | 
         from atb_probe.record import writer as writer_mod
         original_run = writer_mod.Writer._run
 
-        def profiled_run(self):
+        def profiled_run(self, *args):
             prof = cProfile.Profile()
             writer_profiles.append(prof)
             prof.enable()
             try:
-                original_run(self)
+                original_run(self, *args)
             finally:
                 prof.disable()
 
