@@ -158,10 +158,10 @@ def test_float32_overflow_falls_back_to_float64_sums():
     assert mean == pytest.approx(1e20) and norm == pytest.approx(1e20 * math.sqrt(1000))
 
 
-def _run_slices(t: torch.Tensor, runs) -> list:
+def _run_slices(t: torch.Tensor, runs, one_after_another: bool = False) -> list:
     """Each run's cell from `compute_runs`: a request's slice of a contiguous host tensor."""
     cells = [EMPTY if start >= stop else new_cell(new_serial()) for start, stop in runs]
-    statistics.compute_runs([(t, runs, cells)])
+    statistics.compute_runs([(t, runs, cells, one_after_another)])
     return cells
 
 
@@ -198,7 +198,7 @@ def test_runs_of_one_length_one_after_another_get_their_slices_statistics_bit_fo
     for t in (base, base.to(torch.bfloat16), base.double(), base > 0, torch._neg_view(base)):
         for first, count in ((0, 8), (width, 5), (3 * width, 2)):
             runs = [(first + k * width, first + (k + 1) * width) for k in range(count)]
-            cells = _run_slices(t, runs)
+            cells = _run_slices(t, runs, one_after_another=True)
             for (start, stop), cell in zip(runs, cells):
                 piece = t.reshape(-1)[start:stop]
                 assert _same(stats_of(cell), _numpy_one(piece)), (t.dtype, start, stop)
@@ -212,7 +212,7 @@ def test_equal_runs_of_any_size_and_alignment_match_their_slices(width, count, o
     g = torch.Generator().manual_seed(width * 31 + count)
     t = (torch.randn(offset + count * width + 3, generator=g) * 2.0 ** scale).to(dtype)
     runs = [(offset + k * width, offset + (k + 1) * width) for k in range(count)]
-    for (start, stop), cell in zip(runs, _run_slices(t, runs)):
+    for (start, stop), cell in zip(runs, _run_slices(t, runs, one_after_another=True)):
         assert _same(stats_of(cell), _numpy_one(t[start:stop]))
 
 
@@ -440,3 +440,23 @@ def test_a_copy_that_fails_to_land_fails_every_wait_from_then_on(tmp_path, capfd
     assert "dumping stopped, the model goes on" in writer.stats.last_error
     assert not (tmp_path / "atb_dump_data" / "d" / "intensor0.bin").exists()
     assert probe_lines(capfd.readouterr().err, "ERROR")
+
+
+@pytest.mark.parametrize("one_after_another", [True, False])
+def test_a_tensor_measured_whole_and_per_request_gets_both_from_one_conversion(
+        one_after_another):
+    from atb_probe.capture.stats_reuse import StatsCache
+    cache = StatsCache()
+    queue = cache.new_queue()
+    g = torch.Generator().manual_seed(3)
+    t = (torch.randn(6, 40, generator=g) * 100).to(torch.bfloat16)
+    other = torch.randn(5, generator=g)
+    (whole, alone), _ = cache.side(queue, [t, other])
+    runs = [(k * 40, (k + 1) * 40) for k in range(6)] if one_after_another else \
+        [(0, 40), (40, 120), (200, 240)]
+    parts = cache.fresh_runs(t, runs, queue, one_after_another)
+    queue.resolve()
+    assert _same(stats_of(whole), _numpy_one(t)) and _same(stats_of(alone), _numpy_one(other))
+    for (start, stop), cell in zip(runs, parts):
+        assert _same(stats_of(cell), _numpy_one(t.reshape(-1)[start:stop]))
+    assert not (queue.tensors or queue.runs or queue.nbytes)

@@ -225,3 +225,71 @@ def test_which_tensors_have_the_token_dimension_and_when_requests_are_split():
     for layout in (flat, batch, many):  # each request's row in a tensor with one per request
         assert layout.request_rows() == [layout.request_row(s) for s in layout.requests]
     assert batch.request_rows() == [0, 1] and many.request_rows()[-1] == 299
+
+
+def _slices_by_hand(layout, t: torch.Tensor, by_row: bool) -> list | None:
+    """Each request's slice of `t` and its Shape cell, as the spans say, or None."""
+    from atb_probe.tokens import Arrangement
+    shape = tuple(t.shape)
+    if layout.has_token_dim(shape):
+        if layout.arrangement is Arrangement.FLAT:
+            return [(t[s.start:s.stop], s.request) for s in layout.requests]
+        return [(t[s.row:s.row + 1, s.start:s.stop], s.request) for s in layout.requests]
+    if by_row and layout.has_request_rows(shape):
+        return [(t[r:r + 1], s.request) for r, s in zip(layout.request_rows(), layout.requests)]
+    return None
+
+
+@pytest.mark.parametrize("which", ["flat-decode", "flat-prefill", "batch-padded", "batch-rows"])
+def test_a_rounds_cut_of_a_shape_gives_each_request_its_own_slice(which):
+    from atb_probe.capture.requests import RequestSlices
+    from atb_probe.statcsv import shape_cell
+    from atb_probe.tokens import Arrangement, RequestSpan, Source, TokenLayout
+    p = prompt_of(SHORT)
+    if which == "flat-decode":    # a token per request, one after another: rows of one view
+        layout = TokenLayout(Source.VLLM, Arrangement.FLAT, 4, 1,
+                             tuple(RequestSpan(f"r{i}", 0, i, i + 1, 9, p) for i in range(4)))
+    elif which == "flat-prefill":  # prompts of unequal length, and padding after them
+        layout = TokenLayout(Source.VLLM, Arrangement.FLAT, 12, 1,
+                             (RequestSpan("a", 0, 0, 3, 0, p), RequestSpan("b", 0, 3, 10, 0, p)))
+    elif which == "batch-padded":  # left padding: each row's tokens start where they start
+        layout = TokenLayout(Source.TRANSFORMERS, Arrangement.BATCH, 5, 3,
+                             (RequestSpan("row0", 0, 2, 5, 0, p), RequestSpan("row1", 1, 0, 5, 0, p),
+                              RequestSpan("row2", 2, 4, 5, 0, p)))
+    else:                          # whole rows of equal length: one after another
+        layout = TokenLayout(Source.TRANSFORMERS, Arrangement.BATCH, 3, 2,
+                             (RequestSpan("row0", 0, 0, 3, 0, p), RequestSpan("row1", 1, 0, 3, 0, p)))
+    slices = RequestSlices(layout)
+    g = torch.Generator().manual_seed(0)
+    tokens = (layout.tokens,) if layout.arrangement is Arrangement.FLAT else \
+        (layout.rows, layout.tokens)
+    tensors = [torch.randn(*tokens, 6, generator=g), torch.randn(*tokens, generator=g),
+               torch.randn(*tokens, 2, 3, generator=g),
+               torch.randn(6, *tokens, generator=g).movedim(0, -1),   # not contiguous
+               torch.randn(len(layout.requests), 7, generator=g),      # a row per request
+               torch.randn(3, 7, 11, generator=g)]                     # no part per request
+    for t in tensors:
+        for by_row in (False, True):
+            expected = _slices_by_hand(layout, t, by_row)
+            cut = slices.cut(t.shape, by_row)
+            assert slices.cut(t.shape, by_row) is cut  # worked out once per round and shape
+            if expected is None:
+                assert cut is None
+                continue
+            assert cut.cells == [(shape_cell(tuple(piece.shape)), request)
+                                 for piece, request in expected]
+            for (piece, _), view in zip(expected, cut.pieces(t)):
+                assert torch.equal(view, piece)
+            if t.is_contiguous():
+                flat = t.reshape(-1)
+                for (piece, _), (start, stop) in zip(expected, cut.runs):
+                    assert torch.equal(flat[start:stop], piece.reshape(-1))
+                sizes = {stop - start for start, stop in cut.runs}
+                together = all(cut.runs[k][1] == cut.runs[k + 1][0]
+                               for k in range(len(cut.runs) - 1))
+                assert cut.one_after_another == (len(sizes) == 1 and together and
+                                                 0 not in sizes and len(cut.runs) > 1)
+    if which in ("flat-decode", "batch-rows"):
+        assert slices.cut(tensors[0].shape).one_after_another
+    else:
+        assert not slices.cut(tensors[0].shape).one_after_another

@@ -35,8 +35,9 @@ from ..naming import sanitize
 from ..record.jobs import JsonJob, RowsJob, TensorFileJob
 from ..statcsv import (DERIVED_FILE_NAME, FILE_NAME as CSV_FILE, HEADER, REQUEST_FILE_NAME,
                        REQUEST_HEADER, shape_cell, side_rows, tensor_path_cell)
-from ..tokens import Arrangement, TokenLayout
+from ..tokens import TokenLayout
 from .arguments import bind_args, kernel_tensors
+from .requests import RequestSlices
 from .stats_reuse import Queue, StatsCache
 from .sums import sum_index, sums_of
 from .structure import RoundStructure, StructureFiles
@@ -92,8 +93,8 @@ class LayerRecord:
 
 class RoundRecord:
     """Per dumped round: its folder, whether it wrote any tensor or row, its structure, its
-    token layout (tokens.py) and, when request_statistic.csv is written, that layout again as
-    `by_request`."""
+    token layout (tokens.py) and, when request_statistic.csv is written, how that layout cuts
+    its tensors per request (`by_request`)."""
 
     __slots__ = ("rel", "head", "wrote", "structure", "tokens", "by_request",
                  "statistics_only")
@@ -104,7 +105,7 @@ class RoundRecord:
         self.wrote = False
         self.structure = RoundStructure()
         self.tokens: TokenLayout | None = None
-        self.by_request: TokenLayout | None = None
+        self.by_request: RequestSlices | None = None  # the cuts of `tokens` (requests.py)
         # A statistics dump without request_statistic.csv: kernel sides take `kernel_side`.
         self.statistics_only = False
 
@@ -141,8 +142,8 @@ class Recorder:
         record = rnd.record
         record.tokens = tokens
         cfg = rnd.selection.config
-        record.by_request = tokens if tokens is not None and tokens.per_request and \
-            cfg.wants_statistics else None
+        record.by_request = RequestSlices(tokens) if tokens is not None and \
+            tokens.per_request and cfg.wants_statistics else None
         record.statistics_only = cfg.task is Task.STATISTICS and record.by_request is None
 
     def begin_layer(self, rnd, name: str, op_id: str, tracking: bool) -> LayerRecord:
@@ -462,7 +463,7 @@ class Recorder:
         return labels
 
     def _sum_rows(self, pair: tuple[int, int], dumpable: list, queue: Queue,
-                  by_request: TokenLayout | None) -> list:
+                  by_request: RequestSlices | None) -> list:
         """The cells after the head of a derived_statistic.csv side record (statcsv.py): the
         statistics of the sum of the side's tensors `pair`, whole and per request, pending in
         `queue`; empty when the side has no such two tensors of one shape, dtype and device
@@ -479,8 +480,9 @@ class Recorder:
         index, dtype = sum_index(pair), dt.csv_name
         rows = [index, dtype, shape_cell(total.shape), self.stats.fresh(total, queue), ""]
         if by_request is not None:
-            for _, request, dims, cell in self._request_cells(by_request, queue, [total]):
-                rows += (index, dtype, shape_cell(dims), cell, request)
+            for _, cut, cells in self._request_cells(by_request, queue, [total]):
+                for (shape, request), cell in zip(cut.cells, cells):
+                    rows += (index, dtype, shape, cell, request)
         return rows
 
     def kernel_side(self, rnd, layer: LayerRecord | None, names: tuple, side: str,
@@ -551,52 +553,26 @@ class Recorder:
                                   {"op": kernel.op_name, "type": names[1],
                                    "uninitialized": uninit}))
 
-    def _request_cells(self, tokens: TokenLayout, queue: Queue, tensors: list,
+    def _request_cells(self, slices: RequestSlices, queue: Queue, tensors: list,
                        by_row: bool = False) -> list:
         """Statistics cells of each request's slice of the tensors that have the round's token
         dimension (and with `by_row`, a layer-level op's, of each request's row of a tensor with
         a row per request: the logits), pending in `queue` with the tensors': (tensor index,
-        request, slice shape, cell) each. The slices live only until the queue resolves, so
-        nothing of them is looked up or kept (`StatsCache.fresh`). A request's slice of a
-        contiguous host tensor is one run of its memory: the runs of one tensor are measured
-        together (`StatsCache.fresh_runs`), without a tensor per slice."""
+        its `Cut`, the cells of its slices) per tensor cut. The slices live only until the
+        queue resolves, so nothing of them is looked up or kept (`StatsCache.fresh`). A
+        request's slice of a contiguous host tensor is one run of its memory: the runs of one
+        tensor are measured together (`StatsCache.fresh_runs`), without a tensor per slice."""
         out = []
-        flat = tokens.arrangement is Arrangement.FLAT
-        fresh, fresh_runs = self.stats.fresh, self.stats.fresh_runs
-        seq = tokens.tokens
-        spans = tokens.requests
+        fresh = self.stats.fresh
         for i, t in enumerate(tensors):
-            shape = t.shape
-            if not tokens.has_token_dim(shape):
-                if by_row and tokens.has_request_rows(shape):  # each request's row
-                    dims = (1, *shape[1:])
-                    rows = tokens.request_rows()
-                    if _runs_of(t):
-                        size = t.numel() // shape[0]
-                        cells = fresh_runs(t, [(r * size, (r + 1) * size) for r in rows], queue)
-                    else:
-                        cells = [fresh(t.narrow(0, r, 1), queue) for r in rows]
-                    out.extend((i, span.request, dims, cell) for span, cell in zip(spans, cells))
+            cut = slices.cut(t.shape, by_row)
+            if cut is None:
                 continue
-            if flat:
-                rest = shape[1:]
-                firsts = [span.start for span in spans]
-            else:
-                # A request's tokens are one run of a contiguous tensor's memory.
-                rest = shape[2:]
-                firsts = [span.row * seq + span.start for span in spans]
-            counts = [span.stop - span.start for span in spans]
             if _runs_of(t):
-                size = t.numel() // (shape[0] if flat else shape[0] * seq)  # elements per token
-                cells = fresh_runs(t, [(first * size, (first + n) * size)
-                                       for first, n in zip(firsts, counts)], queue)
-            elif flat:
-                cells = [fresh(t.narrow(0, first, n), queue) for first, n in zip(firsts, counts)]
+                cells = self.stats.fresh_runs(t, cut.runs, queue, cut.one_after_another)
             else:
-                cells = [fresh(t.narrow(0, span.row, 1).narrow(1, span.start, n), queue)
-                         for span, n in zip(spans, counts)]
-            for span, n, cell in zip(spans, counts, cells):
-                out.append((i, span.request, (n, *rest) if flat else (1, n, *rest), cell))
+                cells = [fresh(piece, queue) for piece in cut.pieces(t)]
+            out.append((i, cut, cells))
         return out
 
     def _write_tensors(self, rnd, frame, side, dumpable, stats, named, kernel):
@@ -720,8 +696,10 @@ def _request_rows(request_cells: list, dumpable: list, labels: list) -> list:
     request slice, its tensor's Index and Dtype, its own Shape, its statistics cell and the
     request."""
     rows = []
-    for i, request, shape, cell in request_cells:
-        rows += (labels[i], dumpable[i][3].csv_name, shape_cell(shape), cell, request)
+    for i, cut, cells in request_cells:
+        label, dtype = labels[i], dumpable[i][3].csv_name
+        for (shape, request), cell in zip(cut.cells, cells):
+            rows += (label, dtype, shape, cell, request)
     return rows
 
 

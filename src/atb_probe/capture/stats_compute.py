@@ -42,7 +42,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from ..stats_cell import DEVICE, fill, pack
+from ..stats_cell import DEVICE, READY, fill, pack
 from .landing import Landings, to_host
 
 _max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
@@ -74,38 +74,46 @@ def compute(tensors: list, cells: list, device: DeviceStatistics) -> None:
         device.batch([t for t, _ in items], [c for _, c in items])
 
 
-def compute_runs(entries: list) -> None:
+def compute_runs(entries: list, tensors: list = (), cells: list = ()) -> tuple[list, list]:
     """Fill the cells of slices of contiguous host tensors: `entries` holds (tensor, runs,
-    cells), a run (start, stop) being a slice of the tensor's elements in storage order and
-    its cell EMPTY when the run is. Each tensor is prepared once and its runs are numpy views
-    of it: runs of one length, one after another (a token per request in a decode step, the
-    rows of a batch), as the rows of one 2-D view (`_rows`); any others as one `_host` batch.
-    Each slice gets what `compute` gives the tensor `t.view(-1)[start:stop]`, bit for bit."""
+    cells, one after another), a run (start, stop) being a slice of the tensor's elements in
+    storage order and its cell EMPTY when the run is. Each tensor is prepared once and its
+    runs are numpy views of it: runs of one length, one after another (a token per request in
+    a decode step, the rows of a batch: the caller says so), as the rows of one 2-D view
+    (`_rows`); any others as one `_host` batch. Each slice gets what `compute` gives the tensor
+    `t.view(-1)[start:stop]`, bit for bit.
+
+    `tensors` and `cells`: what `compute` is to measure next. Those among them that have runs
+    here are measured whole from the same prepared values, as `compute` would; returns the
+    others and their cells, for `compute`."""
     arrays, host_cells = [], []
+    whole = {id(t): i for i, t in enumerate(tensors)} if tensors else None
+    done = []
     with np.errstate(all="ignore"):
-        for t, runs, cells in entries:
+        for t, runs, run_cells, one_after_another in entries:
             x = prepare(t)
             a = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1)
-            if _one_after_another(runs):
+            if whole:
+                i = whole.pop(id(t), None)
+                if i is not None:  # what `compute` gives it: the same values in the same order
+                    fill(cells[i], _one(a))
+                    done.append(i)
+            if one_after_another:
                 first, stop = runs[0]
-                _rows(a[first:first + len(runs) * (stop - first)].reshape(len(runs), -1), cells)
+                _rows(a[first:first + len(runs) * (stop - first)].reshape(len(runs), -1),
+                      run_cells)
                 continue
-            for (start, stop), cell in zip(runs, cells):
+            for (start, stop), cell in zip(runs, run_cells):
                 if start < stop:
                     arrays.append(a[start:stop])
                     host_cells.append(cell)
         if arrays:
             _host(arrays, host_cells)
-
-
-def _one_after_another(runs: list) -> bool:
-    """Two runs or more, of one length (not empty), each starting where the one before ends."""
-    if len(runs) < 2:
-        return False
-    first, stop = runs[0]
-    size = stop - first
-    return size > 0 and all(run == (first + k * size, first + (k + 1) * size)
-                            for k, run in enumerate(runs))
+    if not done:
+        return tensors, cells
+    done = set(done)
+    return ([t for i, t in enumerate(tensors) if i not in done],
+            [c for i, c in enumerate(cells) if i not in done])
 
 
 def _rows(m, cells: list) -> None:
@@ -118,10 +126,11 @@ def _rows(m, cells: list) -> None:
     highs, lows = _max(m, axis=1).tolist(), _min(m, axis=1).tolist()
     totals = _sum(m, axis=1).tolist()
     squares = np.matmul(m[:, None, :], m[:, :, None]).reshape(-1).tolist()
+    sqrt = math.sqrt
     for i, (cell, high, low, total, square) in enumerate(zip(cells, highs, lows, totals,
                                                              squares)):
         if _isfinite(total) and _isfinite(square):
-            fill(cell, (high, low, total / n, math.sqrt(square)))
+            pack(cell, 0, high, low, total / n, sqrt(square), 0, READY)  # `fill`, inline
         else:  # inf or nan: `_one` tells an overflow (float64 again) from values that hold them
             fill(cell, _one(m[i], high, low))
 

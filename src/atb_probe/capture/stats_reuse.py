@@ -109,19 +109,21 @@ class Queue:
         self.device = device  # where accelerator tensors are reduced
         self.tensors: list = []
         self.cells: list = []
-        self.runs: list = []  # (host tensor, its runs, their cells): `StatsCache.fresh_runs`
+        self.runs: list = []  # (host tensor, runs, cells, one after another): `fresh_runs`
         self.nbytes = 0       # bytes of the tensors kept alive for it
         self.serial = new_serial()  # what its cells say they wait in
 
     def resolve(self) -> None:
-        """Compute every queued statistic (one batch) and let go of the tensors."""
-        if self.tensors:
-            tensors, cells = self.tensors, self.cells
-            self.tensors, self.cells, self.nbytes = [], [], 0
+        """Compute every queued statistic (one batch) and let go of the tensors. A tensor
+        measured whole and by runs (a request's tokens) is converted once for both."""
+        tensors, cells, runs = self.tensors, self.cells, self.runs
+        if not (tensors or runs):
+            return
+        self.tensors, self.cells, self.runs, self.nbytes = [], [], [], 0
+        if runs:
+            tensors, cells = compute_runs(runs, tensors, cells)
+        if tensors:
             compute(tensors, cells, self.device)
-        if self.runs:
-            runs, self.runs, self.nbytes = self.runs, [], 0
-            compute_runs(runs)
 
 
 class StatsCache:
@@ -254,12 +256,18 @@ class StatsCache:
         return self._new(t, queue)
 
     @staticmethod
-    def fresh_runs(t, runs: list, queue: Queue) -> list:
+    def fresh_runs(t, runs: list, queue: Queue, one_after_another: bool = False) -> list:
         """`fresh` cells of slices of a contiguous host tensor `t`, each a run (start, stop) of
         its elements in storage order (a request's tokens), pending in `queue`: measured
-        from `t` itself when the queue resolves, no tensor made per slice."""
-        cells = [EMPTY if start >= stop else new_cell(queue.serial) for start, stop in runs]
-        queue.runs.append((t, runs, cells))
+        from `t` itself when the queue resolves, no tensor made per slice.
+        `one_after_another`: the runs are of one length, each starting where the one before
+        ends (`stats_compute.compute_runs`)."""
+        if one_after_another:  # none empty
+            serial = queue.serial
+            cells = [new_cell(serial) for _ in runs]
+        else:
+            cells = [EMPTY if start >= stop else new_cell(queue.serial) for start, stop in runs]
+        queue.runs.append((t, runs, cells, one_after_another))
         queue.nbytes += t.numel() * t.element_size()
         return cells
 
