@@ -475,8 +475,11 @@ class Recorder:
         if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or \
                 not a.is_floating_point():
             return []
-        with torch.no_grad():
-            total = torch.add(a, b)   # a snapshot: the next norm adds in place
+        if torch.is_grad_enabled():  # (the context costs more than the add where it is not)
+            with torch.no_grad():
+                total = torch.add(a, b)   # a snapshot: the next norm adds in place
+        else:
+            total = torch.add(a, b)
         index, dtype = sum_index(pair), dt.csv_name
         rows = [index, dtype, shape_cell(total.shape), self.stats.fresh(total, queue), ""]
         if by_request is not None:
@@ -705,8 +708,10 @@ def _request_rows(request_cells: list, dumpable: list, labels: list) -> list:
 
 def _output_items(out) -> list:
     """The (label, tensor) items of what an op returned that is not a single tensor."""
+    if type(out) is tuple and all(type(t) is torch.Tensor for t in out):
+        return [("", t) for t in out]  # what `flatten` makes of it (vLLM's decoder layers)
     items = []
-    flatten(out, "", items, {}, name_items=False)
+    flatten(out, "", items, None, name_items=False)
     return items
 
 
@@ -735,10 +740,10 @@ def _tensors_of(pairs, items: list) -> None:
                 continue
             for v in value:
                 if not isinstance(v, (int, float, bool)):
-                    flatten(value, name, items, {}, name_items=True)
+                    flatten(value, name, items, None, name_items=True)
                     break
         elif may_hold_tensor(value):
-            flatten(value, name, items, {}, name_items=True)
+            flatten(value, name, items, None, name_items=True)
 
 
 # Argument types that never hold a tensor (`_tensors_of` skips them at once).

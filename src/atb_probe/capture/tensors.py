@@ -57,8 +57,10 @@ def local_of(t) -> tuple[object, dict | None]:
     return t, meta
 
 
-def flatten(value, label: str, out: list, params: dict, name_items: bool, depth: int = 0) -> None:
-    """Append (label, tensor) pairs of `value` to `out`; put other values into `params`.
+def flatten(value, label: str, out: list, params: dict | None, name_items: bool,
+            depth: int = 0) -> None:
+    """Append (label, tensor) pairs of `value` to `out`; put other values into `params` (None:
+    only the tensors are wanted).
 
     `name_items`: tuple/list items get `_<i>` suffixes (inputs); when False only mapping keys
     add to the label (outputs: `outtensor0_last_hidden_state`)."""
@@ -66,7 +68,8 @@ def flatten(value, label: str, out: list, params: dict, name_items: bool, depth:
         out.append((label, value))
         return
     if depth > 8:
-        params[label or "value"] = _plain(value)
+        if params is not None:
+            params[label or "value"] = _plain(value)
         return
     if isinstance(value, dict):
         for key, item in value.items():
@@ -74,7 +77,8 @@ def flatten(value, label: str, out: list, params: dict, name_items: bool, depth:
         return
     if isinstance(value, (tuple, list)) and not _is_namedtuple_like(value):
         if not any(may_hold_tensor(v) for v in value):
-            params[label or "value"] = _plain(value)
+            if params is not None:
+                params[label or "value"] = _plain(value)
             return
         for i, item in enumerate(value):
             flatten(item, _join(label, str(i)) if name_items else label, out, params, name_items,
@@ -89,7 +93,7 @@ def flatten(value, label: str, out: list, params: dict, name_items: bool, depth:
         for key, item in zip(value._fields, value):
             flatten(item, _join(label, key), out, params, name_items, depth + 1)
         return
-    if value is not None or label:
+    if params is not None and (value is not None or label):
         params[label or "value"] = _plain(value)
 
 
