@@ -6,8 +6,6 @@ through the load script."""
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 
 import pytest
 

@@ -238,7 +238,7 @@ def test_filter_level_1_references_are_followed(tmp_path):
     refs = [p for p in Path(root).rglob("*.bin") if b"data=" in p.read_bytes()[:300]
             and b"$Object.Count=0" in p.read_bytes()[:300]]
     assert refs, "the dump should hold reference files"
-    out = replay(root, "-j", "1", "--json", tmp_path / "r.json")
+    replay(root, "-j", "1", "--json", tmp_path / "r.json")
     found = verdicts(tmp_path / "r.json")
     assert found["aten.add.Tensor"][0] == "within its dtype"
 

@@ -70,7 +70,6 @@ from dataclasses import dataclass, field, replace
 
 from ..layout import Side
 from ..statcsv import Stats, parse_shape, shape_cell
-from . import StrEnum
 from .comparison import CompareError, DeriveKind, Derivation, Role
 from .dumpreader import Op, TensorRecord
 
