@@ -484,8 +484,7 @@ class Recorder:
         rows = [index, dtype, shape_cell(total.shape), self.stats.fresh(total, queue), ""]
         if by_request is not None:
             for _, cut, cells in self._request_cells(by_request, queue, [total]):
-                for (shape, request), cell in zip(cut.cells, cells):
-                    rows += (index, dtype, shape, cell, request)
+                _add_slice_rows(rows, index, dtype, cut, cells)
         return rows
 
     def kernel_side(self, rnd, layer: LayerRecord | None, names: tuple, side: str,
@@ -700,10 +699,15 @@ def _request_rows(request_cells: list, dumpable: list, labels: list) -> list:
     request."""
     rows = []
     for i, cut, cells in request_cells:
-        label, dtype = labels[i], dumpable[i][3].csv_name
-        for (shape, request), cell in zip(cut.cells, cells):
-            rows += (label, dtype, shape, cell, request)
+        _add_slice_rows(rows, labels[i], dumpable[i][3].csv_name, cut, cells)
     return rows
+
+
+def _add_slice_rows(rows: list, index: str, dtype: str, cut, cells: list) -> None:
+    """Append the request_statistic.csv cells of one tensor's slices (`cut`, their `cells`),
+    the tensor's Index and Dtype on each."""
+    for (shape, request), cell in zip(cut.cells, cells):
+        rows += (index, dtype, shape, cell, request)
 
 
 def _output_items(out) -> list:
