@@ -259,7 +259,13 @@ def test_reused_statistics_always_describe_the_values_of_the_moment(tmp_path):
             y.view(-1)                   # a view of memory changed before, made in a kernel
             y.add_(5.0)
             d = torch.relu(y.data)       # `.data`: same memory, a version counter of its own
-            return z + y.sum() + d.sum(), v.view(2, 9), torch.conj(torch.complex(y, y)).imag
+            u = torch.ops.aten._unsafe_view(y, (18,))  # y's memory, a counter of its own
+            torch.relu(u)                # input u: the statistics of its output, by identity
+            y.mul_(3.0)                  # u changes; its counter does not
+            r = torch.relu(u)            # input u: must not reuse them
+            m = y.view(1, 3, 6) @ self.lin.weight  # mm, then `_unsafe_view` of its result
+            return z + y.sum() + d.sum() + r.sum() + m.sum(), v.view(2, 9), \
+                torch.conj(torch.complex(y, y)).imag
 
     class Net(nn.Module):
         def __init__(self):

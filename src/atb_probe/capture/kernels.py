@@ -45,6 +45,7 @@ class Kernel(NamedTuple):
     allocates: bool             # an allocation kernel: its output holds nothing yet
     collective: bool            # a collective: its outputs are complete only once it is
     factory: bool               # a factory function: keep no reference to its output (below)
+    view: bool                  # its schema returns aliases of its inputs (`aten.view`...)
 
 
 _COLLECTIVES = ("c10d.", "_c10d_functional.")
@@ -72,8 +73,10 @@ def kernel_info(func) -> Kernel:
         if op_name.startswith("c10d."):
             # Collectives fill their tensors in place without saying so in their schemas.
             written = names
+        view = any(r.alias_info is not None and not r.alias_info.is_write
+                   for r in func._schema.returns)
     except Exception:
-        names, written = (), ()
+        names, written, view = (), (), False
     return Kernel(op_name, kernel_name(op_name), (names, None, names), written,
                   op_name in ALLOCATION_OPS, op_name.startswith(_COLLECTIVES),
-                  _TENSOR_OPTIONS.issubset(names) and not op_name.startswith(_CASTS))
+                  _TENSOR_OPTIONS.issubset(names) and not op_name.startswith(_CASTS), view)

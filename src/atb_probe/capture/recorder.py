@@ -55,16 +55,17 @@ MAX_PENDING_BYTES = 64 * 1024 ** 2
 class OpRecord:
     """What the recorder keeps of one op execution while it runs."""
 
-    __slots__ = ("inputs", "outputs", "param", "nodes", "writes_args", "factory", "inputs_seen",
-                 "shards", "sums")
+    __slots__ = ("inputs", "outputs", "param", "nodes", "writes_args", "factory", "view",
+                 "inputs_seen", "shards", "sums")
 
-    def __init__(self, writes_args: bool = False, factory: bool = False):
+    def __init__(self, writes_args: bool = False, factory: bool = False, view: bool = False):
         self.inputs = 0               # number of input tensors (for structure files)
         self.outputs = 0
         self.param = None             # op_param.json content, once known
         self.nodes = None             # structure of the children, when collected
         self.writes_args = writes_args  # kernels: writes to its arguments (values change)
         self.factory = factory        # kernels: a factory function (capture/kernels.py)
+        self.view = view              # kernels: returns aliases of its inputs
         self.inputs_seen = None       # kernels: what the inputs' statistics leave the outputs
         self.shards = None            # DTensor layouts by file name, for op_param.json
         self.sums = None              # modules: the sums measured per side (capture/sums.py)
@@ -272,7 +273,7 @@ class Recorder:
         """A kernel begins (`kernel`: its `kernels.Kernel`): its input side recorded. Returns
         its `OpRecord`, and its arguments bound to their names where that was needed (else
         None)."""
-        record = OpRecord(bool(kernel.written), kernel.factory)
+        record = OpRecord(bool(kernel.written), kernel.factory, kernel.view)
         # op_param.json (tensor tasks) and the structure files describe the kernel's arguments;
         # otherwise only its tensors matter.
         describe = frame.dump and (rnd.selection.config.wants_tensors or frame.layer.collect)
@@ -416,7 +417,7 @@ class Recorder:
                     queue, tensors, remember_inputs=not record.writes_args)
             else:
                 stats, _ = self.stats.side(queue, tensors, kernel_output=True,
-                                           inputs_seen=record.inputs_seen)
+                                           inputs_seen=record.inputs_seen, view=record.view)
             if by_request is not None:
                 request_cells = self._request_cells(by_request, queue, tensors,
                                                     by_row="_" not in frame.op_id)
@@ -522,7 +523,7 @@ class Recorder:
                                                  remember_inputs=not kernel.written)
         else:
             stats, _ = self.stats.side(queue, dumpable, kernel_output=True,
-                                       inputs_seen=inputs_seen)
+                                       inputs_seen=inputs_seen, view=kernel.view)
         # Deferred only where every in-place kernel is seen (see forget_written).
         if at_once or layer is None or not layer.deferred or queue.nbytes > MAX_PENDING_BYTES:
             queue.resolve()

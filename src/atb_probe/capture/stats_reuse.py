@@ -171,7 +171,7 @@ class StatsCache:
                 self._entries.pop(key + (version,), None)
 
     def side(self, queue: Queue, tensors: list, kernel_output: bool = False, inputs_seen=None,
-             remember_inputs: bool = False):
+             remember_inputs: bool = False, view: bool = False):
         """The cells of `tensors`, in order: earlier results, or new cells pending in
         `queue` (a cell pending in another thread's queue is not used: it may never be
         computed before this thread's rows are written).
@@ -179,9 +179,10 @@ class StatsCache:
         `kernel_output`: the tensors are a kernel's outputs, inside the dispatch; then
         `inputs_seen` is what the same kernel's inputs left (see `remember_inputs`), or None
         when the kernel writes to its arguments. `remember_inputs`: also return what these
-        tensors leave for the outputs of the same kernel. Returns (cells, that or None)."""
+        tensors leave for the outputs of the same kernel; `view`: the kernel returns aliases
+        of its inputs (`kernels.Kernel.view`). Returns (cells, that or None)."""
         if kernel_output:
-            cells = [self._output(t, queue, inputs_seen) for t in tensors]
+            cells = [self._output(t, queue, inputs_seen, view) for t in tensors]
             return cells, None
         cells = []
         seen_get = self._seen.get
@@ -190,7 +191,7 @@ class StatsCache:
             # of the op before (the hidden state, position embeddings, weights).
             seen = seen_get(id(t))
             if seen is not None and seen[0]() is t and seen[3] == t.data_ptr() and \
-                    seen[1] == _version(t):
+                    seen[1] == _version(t) and (len(seen) == 4 or _valid(seen)):
                 cell = seen[2]
                 if cell[-1] != QUEUED or waits_in(cell) == queue.serial:
                     cells.append(cell)
@@ -212,7 +213,7 @@ class StatsCache:
         key = _NO_KEY
         seen = self._seen.get(id(t))
         if seen is not None and seen[1] == version and seen[0]() is t and \
-                seen[3] == t.data_ptr():
+                seen[3] == t.data_ptr() and (len(seen) == 4 or _valid(seen)):
             cell = seen[2]
         else:
             key = memory_key(t)
@@ -225,13 +226,14 @@ class StatsCache:
             return None, key, version
         return cell, key, version
 
-    def _output(self, t, queue: Queue, inputs_seen):
+    def _output(self, t, queue: Queue, inputs_seen, view: bool):
         """The cell of a kernel output: that of an input over the same memory (a view
-        kernel), else a new one, kept for later unless it shares an input's storage."""
+        kernel), else a new one, kept for later (by identity only where it shares an input's
+        storage: `_remember_output`). `view`: the kernel returns aliases of its inputs."""
         key = memory_key(t)
         if inputs_seen is None or key is None:  # an in-place kernel, or no key: not kept
             return self._new(t, queue)
-        shared = False
+        shared = None
         for it, cell in zip(*inputs_seen):
             try:
                 address = it.untyped_storage().data_ptr()
@@ -239,16 +241,50 @@ class StatsCache:
                 continue
             if address == key[2]:
                 if cell is not EMPTY and memory_key(it) == key:
+                    self._remember_output(t, cell, it, view)
                     return cell
-                shared = True
+                shared = it
         cell = self._new(t, queue)
-        if not shared and cell is not EMPTY:
-            # Fresh memory: its version counter is its own for good. (A view's counter is
-            # not linked to its base's yet, inside the dispatch.)
+        if cell is EMPTY:
+            return cell
+        if shared is not None:
+            self._remember_output(t, cell, shared, view)
+        else:
+            # Fresh memory: its version counter is its own for good.
             version = _version(t)
             if version is not None:
                 self._keep(t, cell, key, version)
         return cell
+
+    def _remember_output(self, t, cell, source, view: bool) -> None:
+        """Remember, by identity only, the cell of a kernel output over the memory of its input
+        `source` (a view, a slice, `aten._unsafe_view`'s reshaped matmul result), for the next
+        op that takes this very object; otherwise it is looked up by memory key, where an
+        output that is no autograd view of its input misses and is measured again.
+
+        Inside the dispatch the output's version counter is a new one of its own. A view
+        kernel's (`view`: its schema says it returns an alias) becomes its base's once the
+        kernel returns, so its entry holds the base's present version. Any other output
+        keeps its own, which no write through `source` bumps: its entry also holds `source`'s
+        owner and that one's version (`_valid`)."""
+        owner = _owner(source)
+        owner_version = _version(owner)
+        if owner_version is None:
+            return  # inference tensors: no counters, nothing kept (as in `_keep`)
+        try:
+            ref = weakref.ref(t)
+            if view:
+                entry = (ref, owner_version, cell, t.data_ptr())
+            else:
+                entry = (ref, _version(t), cell, t.data_ptr(), weakref.ref(owner),
+                         owner_version)
+        except (TypeError, RuntimeError):  # not weak-referenceable, no storage
+            return
+        with self._lock:
+            seen = self._seen
+            if len(seen) >= self._seen_limit:
+                self._seen_limit = _sweep(seen, _stale_seen)
+            seen[id(t)] = entry
 
     def fresh(self, t, queue: Queue):
         """A new cell for `t` pending in `queue`, with no lookup and nothing kept: for a tensor
@@ -332,10 +368,19 @@ def _sweep(entries: dict, stale) -> int:
     return max(MIN_ENTRIES, 2 * len(entries))
 
 
+def _valid(entry) -> bool:
+    """The owner check of a `_seen` entry of an output over another tensor's memory with a
+    counter of its own (`StatsCache._remember_output`): its source's owner is unchanged, or
+    dead (then nothing but the output itself and its views can write that memory)."""
+    owner = entry[4]()
+    return owner is None or _version(owner) == entry[5]
+
+
 def _stale_seen(key, entry) -> bool:
-    """`_seen`: id -> (weak reference to the tensor, its version, cell, data pointer)."""
+    """`_seen`: id -> (weak reference to the tensor, its version, cell, data pointer), plus
+    (weak reference to an owner, its version) for `_remember_output`'s non-view outputs."""
     t = entry[0]()
-    return t is None or _version(t) != entry[1]
+    return t is None or _version(t) != entry[1] or (len(entry) > 4 and not _valid(entry))
 
 
 def _stale_entry(key, entry) -> bool:
