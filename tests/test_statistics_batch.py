@@ -149,6 +149,30 @@ def test_small_tensors_batched_together_keep_signed_zeros_and_nan():
         assert _same(stats_of(c), _numpy_one(t))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4096), st.integers(3, 12), st.sampled_from([torch.float32, torch.float64,
+                                                                   torch.bfloat16]),
+       st.integers(0, 2 ** 31 - 1))
+def test_small_tensors_of_one_size_measured_as_rows_get_their_own_statistics(size, count,
+                                                                             dtype, seed):
+    """A batch with several small tensors of one dtype and size measures them as the rows of
+    one array (`_host`, `_rows`): each still gets the per-tensor formula's bits, non-finite and
+    overflowing rows included, and so do the others of the batch."""
+    g = torch.Generator().manual_seed(seed)
+    same = [(torch.randn(size, generator=g) * 10.0 ** (i % 5 - 2)).to(dtype)
+            for i in range(count)]
+    same[0][0] = float("nan")
+    if size > 1:
+        same[1][-1] = float("-inf")
+        same[2].fill_(3e19 if dtype is not torch.bfloat16 else 1.0)  # float32 sums overflow
+    others = [torch.randn(size + 1, generator=g), torch.randn(7, generator=g).double()]
+    tensors = same[:2] + others + same[2:]
+    cells = _cells(len(tensors))
+    compute(tensors, cells)
+    for t, cell in zip(tensors, cells):
+        assert _same(stats_of(cell), _numpy_one(t)), (t.dtype, tuple(t.shape))
+
+
 def test_float32_overflow_falls_back_to_float64_sums():
     t = torch.full((1000,), 1e20)
     cells = _cells(1)

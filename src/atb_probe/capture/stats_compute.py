@@ -21,7 +21,9 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
   signed zeros and nan included). The dot product is taken as `a @ a`, not `np.dot(a, a)`: the
   same BLAS call and the same bits, but `np.dot` gives up the GIL around it, and taking it back
   while another thread runs Python (the writer formatting rows, the user's own threads) costs
-  up to the interpreter's switch interval, 5 ms, each time (`_square_sum`).
+  up to the interpreter's switch interval, 5 ms, each time (`_square_sum`). Three or more
+  small tensors of one dtype and size in a batch (a decode step's activations) are measured
+  as the rows of one 2-D array, each row giving what it gives alone (`_rows`).
 * Accelerator tensors are reduced on their device, the sum and the sum of squares accumulated
   in float64 (more exact than float32 and beyond its range, so no overflow fallback and no
   second pass: a small decode step on a GPU is bound by kernel launches, so the device path
@@ -166,27 +168,48 @@ _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 
 
 def _host(arrays: list, cells: list) -> None:
-    """(Inside `np.errstate`.) Statistics of flat float32/float64 numpy arrays."""
+    """(Inside `np.errstate`.) Statistics of flat float32/float64 numpy arrays. Small arrays of
+    one dtype and one size (a decode step's hidden states, a layer's activations) are measured
+    together as the rows of one 2-D array (`_rows`); max and min of the other small ones come
+    from one `reduceat` over their concatenation."""
     n = len(arrays)
     highs, lows = [None] * n, [None] * n
-    groups: dict = {}
+    done = None
     if n >= 3:
+        by_size: dict = {}
         for i, a in enumerate(arrays):
             if a.size <= SMALL:
-                groups.setdefault(a.dtype.char, []).append(i)
-    for small in groups.values():
-        if len(small) < 3:
-            continue
-        parts = [arrays[i] for i in small]
-        # (np.cumsum of a list takes numpy's slow path: about 5 us more)
-        starts = list(accumulate([a.size for a in parts[:-1]], initial=0))
-        joined = np.concatenate(parts)
-        for i, high, low in zip(small, np.maximum.reduceat(joined, starts).tolist(),
-                                np.minimum.reduceat(joined, starts).tolist()):
-            highs[i], lows[i] = high, low
+                by_size.setdefault((a.dtype.char, a.size), []).append(i)
+        groups: dict = {}
+        for (char, size), members in by_size.items():
+            if len(members) >= ROWS_FROM:
+                _rows(np.concatenate([arrays[i] for i in members]).reshape(len(members), size),
+                      [cells[i] for i in members])
+                if done is None:
+                    done = [False] * n
+                for i in members:
+                    done[i] = True
+            else:
+                groups.setdefault(char, []).extend(members)
+        for small in groups.values():
+            if len(small) < 3:
+                continue
+            parts = [arrays[i] for i in small]
+            # (np.cumsum of a list takes numpy's slow path: about 5 us more)
+            starts = list(accumulate([a.size for a in parts[:-1]], initial=0))
+            joined = np.concatenate(parts)
+            for i, high, low in zip(small, np.maximum.reduceat(joined, starts).tolist(),
+                                    np.minimum.reduceat(joined, starts).tolist()):
+                highs[i], lows[i] = high, low
     for i, (a, cell) in enumerate(zip(arrays, cells)):
+        if done is not None and done[i]:
+            continue
         high = highs[i]
         fill(cell, _one(a) if high is None else _one(a, high, lows[i]))
+
+
+# Small arrays of one dtype and size, from this many on, are measured as rows (`_host`).
+ROWS_FROM = 3
 
 
 def _one_quiet(a) -> tuple:
