@@ -264,20 +264,17 @@ class StatsCache:
 
         Inside the dispatch the output's version counter is a new one of its own. A view
         kernel's (`view`: its schema says it returns an alias) becomes its base's once the
-        kernel returns, so its entry holds the base's present version. Any other output
-        keeps its own, which no write through `source` bumps: its entry also holds `source`'s
-        owner and that one's version (`_valid`)."""
+        kernel returns, so its entry expects the base's present version; any other output
+        keeps its own, which no write through `source` bumps. Either way the entry also holds
+        `source`'s owner and that one's version (`_valid`), so a view whose counter is never
+        linked (made below autograd's view tracking) is not taken for unchanged either."""
         owner = _owner(source)
         owner_version = _version(owner)
         if owner_version is None:
             return  # inference tensors: no counters, nothing kept (as in `_keep`)
         try:
-            ref = weakref.ref(t)
-            if view:
-                entry = (ref, owner_version, cell, t.data_ptr())
-            else:
-                entry = (ref, _version(t), cell, t.data_ptr(), weakref.ref(owner),
-                         owner_version)
+            entry = (weakref.ref(t), owner_version if view else _version(t), cell, t.data_ptr(),
+                     weakref.ref(owner), owner_version)
         except (TypeError, RuntimeError):  # not weak-referenceable, no storage
             return
         with self._lock:
@@ -369,16 +366,16 @@ def _sweep(entries: dict, stale) -> int:
 
 
 def _valid(entry) -> bool:
-    """The owner check of a `_seen` entry of an output over another tensor's memory with a
-    counter of its own (`StatsCache._remember_output`): its source's owner is unchanged, or
-    dead (then nothing but the output itself and its views can write that memory)."""
+    """The owner check of a `_seen` entry of a kernel output over its input's memory
+    (`StatsCache._remember_output`): that input's owner is unchanged, or dead (then nothing
+    but the output itself and its views can write that memory)."""
     owner = entry[4]()
     return owner is None or _version(owner) == entry[5]
 
 
 def _stale_seen(key, entry) -> bool:
     """`_seen`: id -> (weak reference to the tensor, its version, cell, data pointer), plus
-    (weak reference to an owner, its version) for `_remember_output`'s non-view outputs."""
+    (weak reference to an owner, its version) for `_remember_output`'s entries."""
     t = entry[0]()
     return t is None or _version(t) != entry[1] or (len(entry) > 4 and not _valid(entry))
 
