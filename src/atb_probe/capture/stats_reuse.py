@@ -278,10 +278,7 @@ class StatsCache:
         except (TypeError, RuntimeError):  # not weak-referenceable, no storage
             return
         with self._lock:
-            seen = self._seen
-            if len(seen) >= self._seen_limit:
-                self._seen_limit = _sweep(seen, _stale_seen)
-            seen[id(t)] = entry
+            self._set_seen(t, entry)
 
     def fresh(self, t, queue: Queue):
         """A new cell for `t` pending in `queue`, with no lookup and nothing kept: for a tensor
@@ -338,10 +335,7 @@ class StatsCache:
                     self._limit = _sweep(entries, _stale_entry)
                 entries[key + (version,)] = entry
             if seen is not None:
-                seen_of = self._seen
-                if len(seen_of) >= self._seen_limit:
-                    self._seen_limit = _sweep(seen_of, _stale_seen)
-                seen_of[id(t)] = seen
+                self._set_seen(t, seen)
 
     def _remember(self, t, version, cell) -> None:
         try:
@@ -349,10 +343,14 @@ class StatsCache:
         except (TypeError, RuntimeError):  # not weak-referenceable, no storage
             return
         with self._lock:
-            seen = self._seen
-            if len(seen) >= self._seen_limit:
-                self._seen_limit = _sweep(seen, _stale_seen)
-            seen[id(t)] = entry
+            self._set_seen(t, entry)
+
+    def _set_seen(self, t, entry) -> None:
+        """(Holding `_lock`.) The identity entry of `t`, the dict swept first at its limit."""
+        seen = self._seen
+        if len(seen) >= self._seen_limit:
+            self._seen_limit = _sweep(seen, _stale_seen)
+        seen[id(t)] = entry
 
 
 def _sweep(entries: dict, stale) -> int:
