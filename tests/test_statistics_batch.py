@@ -173,6 +173,36 @@ def test_small_tensors_of_one_size_measured_as_rows_get_their_own_statistics(siz
         assert _same(stats_of(cell), _numpy_one(t)), (t.dtype, tuple(t.shape))
 
 
+@st.composite
+def _layouts(draw):
+    """(shape, strides) of a non-empty tensor: a permutation of a contiguous layout, the same
+    with one stride changed (a slice, an expanded dimension, an overlap), or any strides."""
+    shape = draw(st.lists(st.integers(1, 4), max_size=4))
+    order = draw(st.permutations(range(len(shape))))
+    strides, step = [0] * len(shape), 1
+    for dim in reversed(order):
+        strides[dim], step = step, step * shape[dim]
+    how = draw(st.sampled_from(["dense", "one changed", "any"]))
+    if how == "one changed" and shape:
+        strides[draw(st.integers(0, len(shape) - 1))] = draw(st.integers(0, 24))
+    elif how == "any":
+        strides = [draw(st.integers(0, 24)) for _ in shape]
+    return tuple(shape), tuple(strides)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_layouts(), st.integers(0, 3))
+def test_is_dense_tells_exactly_the_layouts_that_fill_their_memory(layout, offset):
+    """`is_dense` against its definition: the elements' addresses are exactly the `numel`
+    addresses from the first one (non-empty tensors, which are all it is asked about)."""
+    shape, strides = layout
+    span = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+    x = torch.arange(span + offset, dtype=torch.float32).as_strided(shape, strides, offset)
+    addresses = x.reshape(-1).tolist()  # the element at address a holds the value a
+    dense = sorted(addresses) == list(range(offset, offset + x.numel()))
+    assert statistics.is_dense(x) == dense
+
+
 def test_float32_overflow_falls_back_to_float64_sums():
     t = torch.full((1000,), 1e20)
     cells = _cells(1)
