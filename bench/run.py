@@ -389,14 +389,15 @@ def render(name: str, wl: dict, meta: dict) -> str:
             continue
         r = results[case.name]
         legend.append(f"`{case.name}`: {case.what}")
+        goal = case.goal.for_workload(name) if case.goal else None
         if "error" in r:
-            lines.append(f"| {case.name} | {case.goal.text() if case.goal else ''} | failed: "
+            lines.append(f"| {case.name} | {goal.text() if goal else ''} | failed: "
                          f"{r['error']} | | | | | | | | | | | | |")
             continue
         extra = _extra_rss(r, base)
-        value, verdict = _verdict(case, r, results, extra)
+        value, verdict = _verdict(case, goal, r, results, extra)
         lines.append(
-            f"| {case.name} | {case.goal.text() if case.goal else ''} | {r['ratio']:.2f} | "
+            f"| {case.name} | {goal.text() if goal else ''} | {r['ratio']:.2f} | "
             f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['best_ratio']:.2f} | "
             f"{r['cpu_ratio']:.2f} | "
             f"{r['unprobed_s']:.3f} | {r['probed_s']:.3f} | {_fmt_gc(r)} | "
@@ -459,10 +460,10 @@ def _fmt_extra(extra: float | None, r: dict) -> str:
     return f"{extra:+.0f}" if extra is not None else "?"
 
 
-def _verdict(case, r: dict, results: dict, extra: float | None) -> tuple[str, str]:
-    """(the measured value the goal is about, met / missed by how much)."""
+def _verdict(case, goal, r: dict, results: dict, extra: float | None) -> tuple[str, str]:
+    """(the measured value `goal` (the case's, on this workload) is about, met / missed by how
+    much)."""
     parts, value = [], ""
-    goal = case.goal
     if goal is not None:
         if goal.kind == "ratio":
             measured = r["ratio"]
