@@ -343,8 +343,11 @@ def test_the_memory_the_statistics_cache_holds_stays_bounded_however_many_rounds
         dump(tmp_path, config(task="statistics", save_child=True), run)
     finally:
         tracemalloc.stop()
-    # Kept for every version, it would grow by the first rounds' amount every 50 rounds.
-    assert max(held) <= 1.5 * held[0], held
+    # Kept for every version, it would grow by the first rounds' amount every 50 rounds. (What
+    # tracemalloc gives this file depends on the process's history: an object reused from a
+    # free list counts where it was first allocated. The first two snapshots are the yardstick:
+    # one of them alone read 3.9 KB once, against 8-10 KB usually.)
+    assert max(held[2:]) <= 1.5 * max(held[:2]), held
 
 
 @pytest.mark.parametrize("overrides", [
