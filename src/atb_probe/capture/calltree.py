@@ -192,6 +192,8 @@ class Engine:
 
     def root_call(self, module, args, kwargs):
         original = self.original_call
+        if self._stands_for_function(module):
+            return original(module, *args, **kwargs)  # no model's call: no round
         tls = self.tls
         stack = tls.stack
         step = tls.step
@@ -238,6 +240,14 @@ class Engine:
             stack.pop()
             if owned:
                 self.end_round(rnd)
+
+    def _stands_for_function(self, module) -> bool:
+        """Whether `module` is a plain function's stand-in (`models.is_function_adapter`)."""
+        try:
+            return self.models.info(module).stands_for_function
+        except Exception as exc:
+            self.source.report(exc)
+            return False
 
     def _steps_only(self) -> bool:
         """Whether root calls outside an engine step are not rounds: vLLM's runners are

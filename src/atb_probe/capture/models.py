@@ -22,10 +22,13 @@ from .tokens import ModelPrompts
 class ModuleInfo:
     """What the probe needs to know about one module, computed once."""
 
-    __slots__ = ("name", "params", "holds_blocks", "element", "__weakref__")
+    __slots__ = ("name", "params", "holds_blocks", "element", "stands_for_function",
+                 "__weakref__")
 
     def __init__(self, module: nn.Module):
         self.name = sanitize(type(module).__name__)
+        # Called like the function it wraps, and taken for that call: no op of its own.
+        self.stands_for_function = is_function_adapter(type(module))
         self.params = forward_params(type(module))
         # A block list itself, or one anywhere below: a container unless it is an element.
         self.holds_blocks = any(is_block_list(m) for m in module.modules())
@@ -35,6 +38,17 @@ class ModuleInfo:
     def is_container(self) -> bool:
         """Whether this module, called from a container, is a container itself (SPEC §1)."""
         return self.holds_blocks and not self.element
+
+
+def is_function_adapter(cls: type) -> bool:
+    """Whether `cls` is a module class made to stand for a plain function: the `kernels`
+    package (which transformers 5.25 installs) turns functions such as transformers'
+    `apply_rotary_pos_emb` into a `Func` module whose instance replaces the function (shared by
+    every caller, or a private copy per model, outside the model's module tree), so that a hub
+    kernel can take its place. The probe takes a call of it for the function call it was
+    before: its kernels are its caller's children, and the IDs and names of a dump do not
+    depend on whether that package is installed (docs/format.md)."""
+    return cls.__qualname__ == "_create_func_module.<locals>.Func"
 
 
 def is_block_list(module: nn.Module) -> bool:

@@ -66,6 +66,8 @@ class OpWalker:
 
     def enter(self, rnd: RoundRun, parent: Frame, module, args, kwargs):
         info = self.info(module)
+        if info.stands_for_function:
+            return None, None  # the function call it stands for (`is_function_adapter`)
         if parent.below is _CONTAINER:
             if info.is_container:
                 return Frame(_CONTAINER), None
