@@ -26,7 +26,8 @@ from atb_probe.capture.stats_compute import compute as _compute
 from atb_probe.record.jobs import TensorFileJob
 from atb_probe.record.safefs import SafeTree
 from atb_probe.record.writer import Writer
-from atb_probe.stats_cell import EMPTY, READY, new_cell, new_serial, values as stats_of
+from atb_probe.stats_cell import (EMPTY, QUEUED, READY, new_cell, new_serial,
+                                  values as stats_of, waits_in)
 
 from conftest import probe_lines
 from harness import wait_until
@@ -325,6 +326,149 @@ def test_tensors_reduced_by_segments_get_their_own_statistics(seed, part, monkey
         assert _agree(stats_of(cell), _numpy_one(t)), (t.dtype, tuple(t.shape), t.flatten()[:4])
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("start, limit", [(64, 5000), (statistics.BUFFER_ELEMENTS,
+                                                       statistics.SEGMENT_ELEMENTS)])
+def test_gathered_tensors_wait_for_the_flush_then_get_their_own_statistics(seed, start, limit,
+                                                                           monkeypatch):
+    """The device path as a model thread takes it (run here on CPU tensors): each call copies
+    its tensors' values into the thread's buffers, one per dtype; their cells wait, under the
+    thread's serial, until the flush reduces every buffer; buffers that fill are reduced and
+    replaced by larger ones, and a tensor larger than a buffer goes alone. Each tensor gets
+    the host path's statistics, nan, inf and the float64 fallback included, from the values it
+    held when it was gathered."""
+    monkeypatch.setattr(statistics, "BUFFER_ELEMENTS", start)
+    monkeypatch.setattr(statistics, "SEGMENT_ELEMENTS", limit)
+    tensors = _tensors(seed) + [torch.tensor([2.0, float("nan"), -3.0]),
+                                torch.tensor([float("inf"), -float("inf")])]
+    want = [_numpy_one(t) for t in tensors]
+    device = DeviceStatistics()
+    cells = _cells(len(tensors))
+    for i in range(0, len(tensors), 3):  # a side at a time
+        device.gather(tensors[i:i + 3], cells[i:i + 3])
+    serial = device.serial_here()
+    queued = [c for c in cells if c[-1] == QUEUED]
+    assert queued and all(waits_in(c) == serial for c in queued)
+    for t in tensors:  # what the model does next does not change what was gathered
+        if t.is_floating_point():
+            t.add_(1.0)
+    device.flush()
+    wait_landed(device)
+    assert device.segment_failure is None
+    for t, cell, w in zip(tensors, cells, want):
+        assert _agree(stats_of(cell), w), (t.dtype, tuple(t.shape))
+    assert not device._here.buffers  # the next round takes fresh buffers
+
+
+def test_each_thread_gathers_into_buffers_of_its_own():
+    """A thread's gathered cells wait under its own serial, and one thread's flush leaves
+    another's cells waiting."""
+    device = DeviceStatistics()
+    tensors = [torch.randn(100) for _ in range(4)]
+    mine, theirs = _cells(2), _cells(2)
+    serials = []
+
+    def other():
+        device.gather(tensors[2:], theirs)
+        serials.append(device.serial_here())
+
+    device.gather(tensors[:2], mine)
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert serials[0] != device.serial_here()
+    device.flush()
+    wait_landed(device)
+    assert all(c[-1] == READY for c in mine)
+    assert all(c[-1] == QUEUED and waits_in(c) == serials[0] for c in theirs)
+
+
+class _Kept:
+    """Where jobs go (the writer's `put`), kept to be looked at."""
+
+    def __init__(self):
+        self.jobs = []
+
+    def put(self, job) -> None:
+        self.jobs.append(job)
+
+
+def test_rows_handed_over_wait_for_what_their_thread_gathered():
+    """A thread's rows reach the writer with what to wait for (`RowsJob.ready`), and that
+    covers the statistics the thread gathered before it handed them over: its buffers are
+    reduced first. Once the writer has waited (if there is anything to wait for), every cell
+    of the rows is filled."""
+    from atb_probe.capture.recorder import RoundRecord, _RowHandover
+    from atb_probe.capture.stats_reuse import StatsCache
+    stats, sink = StatsCache(), _Kept()
+    handover = _RowHandover(sink, stats, "statistic.csv")
+    record = RoundRecord("0_1", 0)
+    t = torch.randn(300)
+    (cell,) = _cells(1)
+    stats.device.gather([t], [cell])
+    handover.queue(record, [(*record.head, "Op", "Op", "0", "input",
+                             "0", "float32", "[300]", cell, None)])
+    handover.hand_over()
+    (job,) = sink.jobs
+    if job.ready is not None:  # None: everything queued has landed already
+        job.ready.wait()
+    assert cell[-1] == READY and _agree(stats_of(cell), _numpy_one(t))
+
+
+def test_a_gathered_tensor_seen_again_in_its_thread_is_not_copied_again():
+    """The statistics cache gives a tensor seen again by the same thread (the next layer's
+    input, the last one's output) the cell waiting in that thread's buffer; another thread
+    does not take that cell (its rows might reach the writer first) and gathers its own."""
+    from atb_probe.capture import stats_reuse
+    cache = stats_reuse.StatsCache()
+    route = (lambda tensors, cells, device: device.gather(tensors, cells))
+    original, stats_reuse.compute = stats_reuse.compute, route
+    try:
+        t = torch.randn(300)
+        first = cache.new_queue()
+        (cell,), _ = cache.side(first, [t])
+        first.resolve()
+        assert cell[-1] == QUEUED and waits_in(cell) == cache.device.serial_here()
+        again, _ = cache.side(cache.new_queue(), [t])
+        assert again[0] is cell
+        got = []
+
+        def other():
+            queue = cache.new_queue()
+            cells, _ = cache.side(queue, [t])
+            queue.resolve()
+            got.append(cells[0])
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert got[0] is not cell and got[0][-1] == QUEUED
+        cache.device.flush()
+        wait_landed(cache.device)
+        assert _agree(stats_of(cell), _numpy_one(t))
+    finally:
+        stats_reuse.compute = original
+
+
+def test_a_buffer_that_cannot_be_reduced_loses_its_statistics_not_the_round(monkeypatch, capfd):
+    """A device error while a thread's buffers are reduced (`flush`, as its rows go to the
+    writer) is said once on stderr; the flush returns, its cells stay without values (the rows
+    say N/A) and the next round's buffers start afresh."""
+    def fails(*_):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(statistics, "_segments", fails)
+    monkeypatch.setattr(statistics, "device_row", fails)
+    device = DeviceStatistics()
+    cells = _cells(2)
+    device.gather([torch.randn(10), torch.randn(20)], cells)
+    device.flush()
+    assert [stats_of(c) for c in cells] == [None, None]
+    assert "device statistics could not be computed (RuntimeError: device lost)" in \
+        capfd.readouterr().err
+    assert not device._here.buffers
+
+
 def test_a_device_type_without_segments_goes_tensor_by_tensor():
     """A device type the probe has found without `torch.segment_reduce` (an accelerator whose
     torch lacks it) reduces each tensor alone: the per-tensor formula, bit for bit (by
@@ -386,19 +530,27 @@ def test_a_device_batch_is_filled_once_whatever_thread_waits():
     assert all(g == got[0] for g in got) and all(c[-1] == READY for c in cells)
 
 
+@pytest.mark.parametrize("route", ["batch", "gather"])
+@pytest.mark.parametrize("name", ["stat-child", "stat-layer", "all-child-fl1"])
 def test_the_device_path_through_the_whole_probe_gives_the_golden_statistics(tmp_path,
-                                                                            monkeypatch):
-    """Every statistic routed through the accelerator code (device rows, one stacked copy, cells
-    filled when the writer formats the rows) on the exact-arithmetic model of the golden dump:
-    max, min and mean as the golden csv says; the norm, summed in float64 on that path,
-    to float32 precision."""
+                                                                            monkeypatch, route,
+                                                                            name):
+    """Every statistic routed through the accelerator code on the exact-arithmetic model of the
+    golden dump: max, min and mean as the golden csv says; the norm, summed in float64 on that
+    path, to float32 precision. `batch`: device rows, one stacked copy per call; `gather`: as
+    the probe runs on an accelerator, values copied into the thread's buffers, reduced when its
+    rows go to the writer (a row handed over before its buffer was reduced would say N/A)."""
     from atb_probe.capture import stats_reuse
     from test_dump_golden import CONFIGS, _golden, make_dump
 
-    monkeypatch.setattr(stats_reuse, "compute", lambda tensors, cells, device: device.batch(
-        [prepare(t) for t in tensors], cells))
-    got = make_dump(tmp_path, CONFIGS["stat-child"])["csv"]
-    want = _golden()["stat-child"]["csv"]
+    if route == "batch":
+        monkeypatch.setattr(stats_reuse, "compute", lambda tensors, cells, device: device.batch(
+            [prepare(t) for t in tensors], cells))
+    else:
+        monkeypatch.setattr(stats_reuse, "compute",
+                            lambda tensors, cells, device: device.gather(tensors, cells))
+    got = make_dump(tmp_path, CONFIGS[name])["csv"]
+    want = _golden()[name]["csv"]
     assert sorted(got) == sorted(want)
     for path, rows in want.items():
         assert len(got[path]) == len(rows)

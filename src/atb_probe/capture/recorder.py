@@ -181,6 +181,7 @@ class Recorder:
         self._rows.hand_over()
         self._request_rows.hand_over()
         self._derived_rows.hand_over()
+        self.stats.device.flush()  # what no row shows (a cache entry's) lets its buffer go too
         if record.wrote and record.tokens is not None:
             self.sink.put(JsonJob(record.rel, layout.TOKENS_JSON, record.tokens.doc()))
         self.structure.end_round(rnd, record.structure)
@@ -655,12 +656,14 @@ class _RowHandover(threading.local):
             self.hand_over()
 
     def hand_over(self) -> None:
-        """Hand the rows this thread has waiting to the writer."""
+        """Hand the rows this thread has waiting to the writer, their accelerator statistics
+        on their way (`DeviceStatistics.flush`)."""
         record, sides = self.record, self.sides
         if record is None:
             return
         self.record, self.sides = None, []
         if sides:
+            self.stats.device.flush()
             size = _ROW_BYTES * sum([side_rows(side) for side in sides])
             requests = self.name != CSV_FILE  # the columns of request_statistic.csv
             self.sink.put(RowsJob(record.rel, self.name, sides,

@@ -27,24 +27,31 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
 * Accelerator tensors are reduced on their device, the sum and the sum of squares accumulated
   in float64 (more exact than float32 and beyond its range, so no overflow fallback and no
   second pass: a small decode step on a GPU is bound by kernel launches, so the device path
-  counts operations). A batch's tensors of one dtype are concatenated and reduced by segments
-  (`segment_rows`): a fixed number of kernels per batch; a lone tensor, a larger one and a
-  device without `torch.segment_reduce` go tensor by tensor (`device_row`, four operations).
-  Every tensor's four numbers end in one device buffer per batch, copied to pinned host memory
-  without blocking (a `DeviceBatch`). The probe's landing thread (capture/landing.py) waits for
-  the copy and fills the batch's cells; the rows handed to the writer carry a `Landed` that
-  covers every batch begun before them, which the writer waits on before it formats them. The
-  model thread never synchronises, and the writer sees only filled cells.
+  counts operations). The values of the tensors a thread asks about are copied into a buffer
+  of that thread per device, dtype and stream, one copy per dtype and call
+  (`DeviceStatistics.gather`): an op side costs a queued copy per dtype. When the thread hands
+  its rows to the writer (at the latest when its round ends), each buffer is reduced by
+  segments (`_segments`) on the stream that filled it, a fixed number of kernels for all it
+  holds. A tensor larger than a buffer
+  and a device without `torch.segment_reduce` go tensor by tensor (`device_row`, four
+  operations). Every tensor's four numbers end in one device buffer per batch, copied to pinned
+  host memory without blocking (a `DeviceBatch`). The probe's landing thread
+  (capture/landing.py) waits for the copy and fills the batch's cells; the rows handed to the
+  writer carry a `Landed` that covers every batch begun before them, which the writer waits on
+  before it formats them. The model thread never synchronises, and the writer sees only filled
+  cells.
 """
 from __future__ import annotations
 
 import math
+import threading
 from itertools import accumulate
 
 import numpy as np
 import torch
 
-from ..stats_cell import DEVICE, READY, fill, pack
+from .. import log
+from ..stats_cell import DEVICE, QUEUED, READY, fill, new_serial, pack
 from .landing import Landings, to_host
 
 _max, _min, _sum = np.maximum.reduce, np.minimum.reduce, np.add.reduce
@@ -73,7 +80,7 @@ def compute(tensors: list, cells: list, device: DeviceStatistics) -> None:
         if arrays:
             _host(arrays, host_cells)
     for items in on_device.values():
-        device.batch([t for t, _ in items], [c for _, c in items])
+        device.gather([t for t, _ in items], [c for _, c in items])
 
 
 def compute_runs(entries: list, tensors: list = (), cells: list = ()) -> tuple[list, list]:
@@ -281,11 +288,15 @@ def segment_rows(tensors: list) -> torch.Tensor:
     their values in float64: max, min, sum and sum of squares by `torch.segment_reduce`.
     Kernels queued, nothing waited for: the segment offsets go to the device from pinned
     memory without blocking, and `unsafe` skips the checks that would read them back."""
-    data = torch.cat([dense_flat(_values(t)) for t in tensors]).double()
-    ends, total = [0], 0
-    for t in tensors:
-        total += t.numel()
-        ends.append(total)
+    return _segments(torch.cat([dense_flat(_values(t)) for t in tensors]),
+                     [t.numel() for t in tensors])
+
+
+def _segments(data: torch.Tensor, counts: list) -> torch.Tensor:
+    """`segment_rows` of the tensors whose values lie one after another in `data` (1-D),
+    `counts[i]` elements each."""
+    data = data.double()
+    ends = [0, *accumulate(counts)]
     offsets = torch.tensor(ends, dtype=torch.int64)
     if not data.is_cpu:
         offsets = offsets.pin_memory().to(data.device, non_blocking=True)
@@ -309,19 +320,166 @@ def finish_row(values, n: int) -> tuple:
     return high, low, total / n, norm
 
 
+# The dtypes a thread's buffer holds as they are (`DeviceStatistics.gather`); others are
+# converted to what their statistics are computed in first.
+_BUFFER_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                            torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                            torch.int64})
+# A thread's buffer for one device and dtype (`DeviceStatistics.gather`) starts at this many
+# elements, grows to what its rounds need, and holds at most SEGMENT_ELEMENTS: a fuller one is
+# reduced and a new one begun. A tensor larger than that goes alone (`DeviceStatistics.batch`).
+BUFFER_ELEMENTS = 1 << 16
+
+
+class _Buffer:
+    """Values of one thread's tensors of one device and dtype, copied one after another, whose
+    statistics wait for `DeviceStatistics.flush`: `counts[i]` elements for `cells[i]`."""
+
+    __slots__ = ("stream", "data", "used", "cells", "counts")
+
+    def __init__(self, stream, data: torch.Tensor):
+        self.stream = stream  # where it is filled and reduced (None: a CPU tensor's)
+        self.data = data
+        self.used = 0
+        self.cells: list = []
+        self.counts: list = []
+
+
 class DeviceStatistics:
     """The statistics one probe computes on accelerators: the copies of its batches on their
     way to the host (`landings`), and the device types whose batches go tensor by tensor.
 
     Each tensor costs a Python call and a device kernel per torch operation: several per tensor
-    (`device_row`) add up to most of a small model's decode step on a GPU. So tensors of one
-    dtype are concatenated and reduced by segments, a fixed number of operations for the part
-    (`segment_rows`)."""
+    (`device_row`) add up to most of a small model's decode step on a GPU, and a batch adds a
+    copy to pinned memory and an event. So what a thread asks for (`gather`) is only copied,
+    one copy per dtype and call, into a buffer of that thread for each device, dtype and
+    stream; the copy is the snapshot of the values. When the thread hands its rows to the
+    writer (`flush`, at the latest when its round ends), each buffer is reduced by segments, a
+    fixed number of operations for it (`_segments`), and goes to the host as one batch."""
 
     def __init__(self):
         self.landings = Landings()
         self.no_segments: set[str] = set()  # device types where `torch.segment_reduce` failed
         self.segment_failure: str | None = None  # the first such failure, for the record
+        self._here = threading.local()  # a thread's buffers, their serial, their sizes
+
+    def serial_here(self) -> int:
+        """The serial of the calling thread's buffers: their cells wait (`QUEUED`) under it
+        until `flush`, and only this thread may take them meanwhile."""
+        here = self._here
+        try:
+            return here.serial
+        except AttributeError:
+            here.serial, here.buffers, here.sizes = new_serial(), {}, {}
+            return here.serial
+
+    def gather(self, tensors: list, cells: list) -> None:
+        """Queue the statistics of accelerator `tensors` into `cells`: their values copied into
+        the calling thread's buffers now, reduced at its next `flush`. A tensor larger than a
+        buffer, or on a device type without segments, is batched at once (`batch`)."""
+        serial = self.serial_here()
+        groups: dict = {}
+        alone, alone_cells = [], []
+        for t, cell in zip(tensors, cells):
+            x = _values(t)
+            n = x.numel()
+            if n > SEGMENT_ELEMENTS or x.device.type in self.no_segments:
+                alone.append(t)
+                alone_cells.append(cell)
+                continue
+            if x.dtype not in _BUFFER_DTYPES:  # (float8...) what `prepare` makes of it
+                x = prepare(x)
+            groups.setdefault((x.device, x.dtype), []).append((dense_flat(x), cell, n))
+        for (device, dtype), items in groups.items():
+            key = (device, dtype, _current_stream(device))
+            buffer = self._here.buffers.get(key)
+            run, size = [], 0
+            for item in items:
+                n = item[2]
+                if buffer is None or buffer.used + size + n > buffer.data.numel():
+                    if run:
+                        self._copy_in(buffer, run, size, serial)
+                        run, size = [], 0
+                    buffer = self._new_buffer(key, buffer, n)
+                run.append(item)
+                size += n
+            self._copy_in(buffer, run, size, serial)
+        if alone:
+            self.batch(alone, alone_cells)
+
+    def _copy_in(self, buffer: _Buffer, run: list, size: int, serial: int) -> None:
+        """Copy the values of `run` ((flat tensor, cell, elements) of one device and dtype,
+        `size` elements in all) into `buffer` after what it holds, in one operation; their
+        cells wait in it (`serial`: its thread's). Where the copy fails (a dtype this
+        backend cannot concatenate), they are batched at once instead."""
+        out = buffer.data[buffer.used:buffer.used + size]
+        try:
+            if len(run) == 1:
+                out.copy_(run[0][0])
+            else:
+                torch.cat([flat for flat, _, _ in run], out=out)
+        except Exception:
+            self.batch([flat for flat, _, _ in run], [cell for _, cell, _ in run])
+            return
+        buffer.used += size
+        for _, cell, n in run:
+            pack(cell, 0, 0.0, 0.0, 0.0, 0.0, serial, QUEUED)
+            buffer.cells.append(cell)
+            buffer.counts.append(n)
+
+    def _new_buffer(self, key: tuple, full: _Buffer | None, needed: int) -> _Buffer:
+        """(`gather`.) A new buffer for `key` (device, dtype, stream) with room for `needed`
+        elements at least; the `full` one before it reduced. Its size is what the last one held,
+        doubled when that was too little, up to SEGMENT_ELEMENTS."""
+        sizes = self._here.sizes
+        size = sizes.get(key, BUFFER_ELEMENTS)
+        if full is not None:
+            self._reduce(full)
+            size = min(SEGMENT_ELEMENTS, 2 * size)
+        size = max(size, needed)
+        sizes[key] = size
+        device, dtype, stream = key
+        buffer = self._here.buffers[key] = _Buffer(stream, torch.empty(size, dtype=dtype,
+                                                                       device=device))
+        return buffer
+
+    def flush(self) -> None:
+        """Queue the statistics of everything the calling thread's `gather` copied: one batch per
+        buffer, its cells filled by the landing thread. `landings.last()`, taken after this
+        call, waits for them."""
+        buffers = getattr(self._here, "buffers", None)
+        if not buffers:
+            return
+        for buffer in buffers.values():
+            if buffer.cells:
+                try:
+                    self._reduce(buffer)
+                except Exception as exc:  # a device error: these statistics, not the rows, lost
+                    log.error_once(f"device-statistics-{type(exc).__name__}",
+                                   f"device statistics could not be computed "
+                                   f"({type(exc).__name__}: {exc}); their rows say N/A")
+        buffers.clear()  # the next round takes fresh memory (the allocator's, per stream)
+
+    def _reduce(self, buffer: _Buffer) -> None:
+        """Queue the statistics of what `buffer` holds, on the stream that filled it: the
+        operations that read it are ordered after the copies that wrote it."""
+        if buffer.stream is None:
+            self._reduce_here(buffer)
+        else:
+            with getattr(torch, buffer.data.device.type).stream(buffer.stream):
+                self._reduce_here(buffer)
+
+    def _reduce_here(self, buffer: _Buffer) -> None:
+        data, counts = buffer.data[:buffer.used], buffer.counts
+        try:
+            block = _segments(data, counts)
+        except Exception as exc:  # no segment_reduce for this device (or this torch)
+            self.no_segments.add(data.device.type)
+            self.segment_failure = self.segment_failure or f"{type(exc).__name__}: {exc}"
+            block = torch.stack([device_row(prepare(piece))
+                                 for piece in torch.split(data, counts)])
+        DeviceBatch(block, buffer.cells, counts, self.landings)
+        buffer.cells, buffer.counts = [], []
 
     def batch(self, tensors: list, cells: list) -> None:
         """Queue the statistics of `tensors` (one device) into `cells`: the landing thread
@@ -369,8 +527,25 @@ class DeviceStatistics:
         counts.extend(t.numel() for t in tensors)
 
     def after_fork(self) -> None:
-        """In a forked child: the copies on their way are the parent's."""
+        """In a forked child: the copies on their way, and the buffers, are the parent's."""
         self.landings.after_fork()
+        self._here = threading.local()
+
+
+def _current_stream(device: torch.device):
+    """The stream work on `device` is queued on now (CUDA's, torch_npu's...), or None for the
+    CPU and a backend without streams."""
+    if device.type == "cpu":
+        return None
+    backend = getattr(torch, device.type, None)
+    try:
+        if not callable(getattr(backend, "stream", None)):
+            return None  # no way to queue work on a given stream later
+        stream = backend.current_stream(device)
+        hash(stream)
+        return stream
+    except Exception:  # a backend without streams, or without hashable ones
+        return None
 
 
 class DeviceBatch:

@@ -193,7 +193,7 @@ class StatsCache:
             if seen is not None and seen[0]() is t and seen[3] == t.data_ptr() and \
                     seen[1] == _version(t) and (len(seen) == 4 or _valid(seen)):
                 cell = seen[2]
-                if cell[-1] != QUEUED or waits_in(cell) == queue.serial:
+                if cell[-1] != QUEUED or self._usable_here(cell, queue):
                     cells.append(cell)
                     continue
             cell, key, version = self._lookup(t, queue)
@@ -222,9 +222,15 @@ class StatsCache:
                 return None, key, version
             cell = entry[1]
             self._remember(t, version, cell)
-        if cell[-1] == QUEUED and waits_in(cell) != queue.serial:
+        if cell[-1] == QUEUED and not self._usable_here(cell, queue):
             return None, key, version
         return cell, key, version
+
+    def _usable_here(self, cell, queue: Queue) -> bool:
+        """Whether a `QUEUED` cell is computed before this thread's rows are written: it waits
+        in `queue`, or in this thread's accelerator buffers (`DeviceStatistics.gather`)."""
+        serial = waits_in(cell)
+        return serial == queue.serial or serial == self.device.serial_here()
 
     def _output(self, t, queue: Queue, inputs_seen, view: bool):
         """The cell of a kernel output: that of an input over the same memory (a view
