@@ -32,14 +32,13 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
   (`DeviceStatistics.gather`): an op side costs a queued copy per dtype. When the thread hands
   its rows to the writer (at the latest when its round ends), each buffer is reduced by
   segments (`_segments`) on the stream that filled it, a fixed number of kernels for all it
-  holds. A tensor larger than a buffer
-  and a device without `torch.segment_reduce` go tensor by tensor (`device_row`, four
-  operations). Every tensor's four numbers end in one device buffer per batch, copied to pinned
-  host memory without blocking (a `DeviceBatch`). The probe's landing thread
-  (capture/landing.py) waits for the copy and fills the batch's cells; the rows handed to the
-  writer carry a `Landed` that covers every batch begun before them, which the writer waits on
-  before it formats them. The model thread never synchronises, and the writer sees only filled
-  cells.
+  holds. A tensor larger than a buffer and a device without `torch.segment_reduce` go tensor by
+  tensor (`device_row`, four operations). Every tensor's four numbers end in one device buffer
+  per batch, copied to pinned host memory without blocking (a `DeviceBatch`). The probe's
+  landing thread (capture/landing.py) waits for the copy and fills the batch's cells; the rows
+  handed to the writer carry a `Landed` that covers every batch begun before them, which the
+  writer waits on before it formats them. The model thread never synchronises, and the writer
+  sees only filled cells.
 """
 from __future__ import annotations
 
