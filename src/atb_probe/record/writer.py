@@ -14,7 +14,12 @@ denied, I/O error) stops the writer with one clear message; nothing half-written
 
 csv rows are batched per file and appended atomically (see `SafeTree.append_lines`) at most every
 `ROWS_DELAY` seconds, and at once on `flush`/`close`. Queued and batched bytes both count in
-`bytes_queued` until they are on disk.
+`bytes_queued` until they are on disk. The other small files (JSON documents: tokens.json, the
+structure files, op_param.json) wait in the queue up to `ROWS_DELAY` too, so the writer wakes a
+few times a second, each time for whatever has come, instead of once or twice per round: every
+wake-up costs the model a GIL hand-over, and the writes done while the model runs slow it more
+than the same writes done together. A tensor file is written at once, with everything queued
+before it: it holds memory.
 
 The writer thread runs at the lowest CPU priority (`yield_the_cores`): a model's own threads
 (OpenMP, oneDNN) often wait for each other by spinning on every core, and a writer at their
@@ -109,15 +114,16 @@ class RowBatches:
         self.waiting: dict[tuple[str, str], _Rows] = {}
         self._file_bytes: dict[tuple[str, str], int] = {}
 
-    def add(self, job: RowsJob, wakes_at: float) -> bool:
+    def add(self, job: RowsJob, wakes_at: float, waited: float = 0.0) -> bool:
         """Add a rows job to its file's batch; from here the batch accounts for its bytes.
-        True when the writer should look at the batches now: a new one due before the writer
-        wakes anyway (`wakes_at`), or one big enough to write."""
+        `waited`: seconds the job has waited in the queue already, which a new batch waits
+        less. True when the writer should look at the batches now: a new one due before the
+        writer wakes anyway (`wakes_at`), or one big enough to write."""
         key = (job.rel_dir, job.name)
         rows = self.waiting.get(key)
         new = rows is None
         if new:
-            rows = self.waiting[key] = _Rows(job.header, time.monotonic(),
+            rows = self.waiting[key] = _Rows(job.header, time.monotonic() - waited,
                                              self._file_bytes.get(key, 0), job.requests)
         rows.parts.append(job.sides)
         if job.ready is not None:
@@ -179,6 +185,7 @@ class Writer:
         self._rows = RowBatches()
         self._urgent = 0                  # threads waiting for the disk: write rows now
         self._wakes_at = 0.0              # when the sleeping writer wakes on its own (inf: never)
+        self._jobs_due = 0.0              # when the queued jobs must be written (`_jobs_wait`)
         self._last_progress = time.monotonic()
 
     # -- producer side (model threads) --------------------------------------------------------
@@ -190,7 +197,8 @@ class Writer:
         statistic.csv rows join their file's batch at once when nothing is queued before them
         (so every file they name has been dealt with), without waking the writer unless the
         batch is new or full: the writer sleeps until the batch is due. Everything else
-        queues in order."""
+        queues in order, due `ROWS_DELAY` after the first of the queue (a tensor file: at
+        once); the writer is woken only when it would sleep past that."""
         with self._cond:
             if not self._admit(job.size):
                 return
@@ -198,8 +206,13 @@ class Writer:
                 if self._rows.add(job, self._wakes_at):
                     self._cond.notify_all()
                 return
+            if type(job) is TensorFileJob:
+                self._jobs_due = 0.0  # it holds memory: written now, with what is before it
+            elif not self._jobs:
+                self._jobs_due = time.monotonic() + ROWS_DELAY
             self._jobs.append(job)
-            self._cond.notify_all()
+            if self._jobs_due < self._wakes_at:  # else the writer wakes for them anyway
+                self._cond.notify_all()
 
     def _admit(self, size: int) -> bool:
         """(Holding `_cond`.) Wait for room for `size` bytes (back-pressure), then account for
@@ -321,8 +334,11 @@ class Writer:
                     if wait is not None and wait <= 0:
                         break
                     if self._jobs:
-                        job = self._jobs.popleft()
-                        break
+                        jobs_wait = self._jobs_wait()
+                        if jobs_wait <= 0:
+                            job = self._jobs.popleft()
+                            break
+                        wait = jobs_wait if wait is None else min(wait, jobs_wait)
                     if wait is None and self._closed:
                         return
                     self._wakes_at = float("inf") if wait is None else time.monotonic() + wait
@@ -337,7 +353,7 @@ class Writer:
                 elif type(job) is RowsJob:
                     batched = job.size
                     with self._cond:  # written when due: see the wait above
-                        self._rows.add(job, 0.0)
+                        self._rows.add(job, 0.0, self._queue_waited())
                 elif not self.failed:
                     self._write_job(job)
             except Exception as exc:  # the writer must never die silently
@@ -349,6 +365,19 @@ class Writer:
                     self._busy = False
                     self._last_progress = time.monotonic()
                     self._cond.notify_all()
+
+    def _queue_waited(self) -> float:
+        """(Holding `_cond`.) How long the jobs being written waited for the queue's delay (0
+        when a tensor file cut it short): rows among them do not wait for it again."""
+        if not self._jobs_due:
+            return 0.0
+        return max(0.0, min(ROWS_DELAY, time.monotonic() - (self._jobs_due - ROWS_DELAY)))
+
+    def _jobs_wait(self) -> float:
+        """Seconds until the queued jobs must be written (0: now)."""
+        if self._urgent or self._closed or self.failed:
+            return 0
+        return self._jobs_due - time.monotonic()
 
     def _rows_wait(self) -> float:
         """Seconds until waiting rows must be written (0: now)."""
