@@ -21,7 +21,9 @@ SUBCOMMANDS = ("where", "run", "demo", "status", "show", "parse", "compare", "sc
                "replay")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command's parser; `only`: register that subcommand alone (its module is the only
+    one imported: `atb-probe status` does not pay for numpy and the analysis tools)."""
     parser = argparse.ArgumentParser(
         prog="atb-probe",
         description="Operator-level precision dumps of PyTorch models in the msProbe ATB layout.",
@@ -33,20 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"atb-probe {atb_probe.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
+    for name in (only,) if only in SUBCOMMANDS else SUBCOMMANDS:
         module = importlib.import_module(f"atb_probe.tools.{name}")
         module.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
+    args = sys.argv[1:] if argv is None else argv
+    # A subcommand named first needs only its own module; anything else (no command, --help,
+    # a typo) gets every subcommand, so the help and the error list them all.
+    parser = build_parser(only=args[0] if args else None)
+    parsed = parser.parse_args(args)
+    if not getattr(parsed, "func", None):
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        return int(parsed.func(parsed) or 0)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
