@@ -137,9 +137,9 @@ class RowBatches:
         # wake-up costs the model thread a GIL hand-over, and rows come once per layer.
         return new and rows.due < wakes_at
 
-    def seconds_left(self) -> float:
-        """Seconds until the first batch is due."""
-        return min(r.due for r in self.waiting.values()) - time.monotonic()
+    def first_due(self) -> float:
+        """When the first batch is due (`time.monotonic`)."""
+        return min(r.due for r in self.waiting.values())
 
     def take(self):
         """The next file's (key, batch), removed; None when nothing waits."""
@@ -185,7 +185,7 @@ class Writer:
         self._rows = RowBatches()
         self._urgent = 0                  # threads waiting for the disk: write rows now
         self._wakes_at = 0.0              # when the sleeping writer wakes on its own (inf: never)
-        self._jobs_due = 0.0              # when the queued jobs must be written (`_jobs_wait`)
+        self._jobs_due = 0.0              # when the queued jobs must be written (0: at once)
         self._last_progress = time.monotonic()
 
     # -- producer side (model threads) --------------------------------------------------------
@@ -330,11 +330,12 @@ class Writer:
                         self._yielding = True
                     # Rows that are due go first, even while files keep coming: a busy writer
                     # must not let statistic.csv fall behind the files it lists.
-                    wait = self._rows_wait() if self._rows.waiting else None
+                    wait = self._wait_for(self._rows.first_due()) if self._rows.waiting \
+                        else None
                     if wait is not None and wait <= 0:
                         break
                     if self._jobs:
-                        jobs_wait = self._jobs_wait()
+                        jobs_wait = self._wait_for(self._jobs_due)
                         if jobs_wait <= 0:
                             job = self._jobs.popleft()
                             break
@@ -353,7 +354,9 @@ class Writer:
                 elif type(job) is RowsJob:
                     batched = job.size
                     with self._cond:  # written when due: see the wait above
-                        self._rows.add(job, 0.0, self._queue_waited())
+                        # It waited for the queue's delay already, unless a tensor file
+                        # cut that short: its batch does not wait for it again.
+                        self._rows.add(job, 0.0, ROWS_DELAY if self._jobs_due else 0.0)
                 elif not self.failed:
                     self._write_job(job)
             except Exception as exc:  # the writer must never die silently
@@ -366,24 +369,12 @@ class Writer:
                     self._last_progress = time.monotonic()
                     self._cond.notify_all()
 
-    def _queue_waited(self) -> float:
-        """(Holding `_cond`.) How long the jobs being written waited for the queue's delay (0
-        when a tensor file cut it short): rows among them do not wait for it again."""
-        if not self._jobs_due:
-            return 0.0
-        return max(0.0, min(ROWS_DELAY, time.monotonic() - (self._jobs_due - ROWS_DELAY)))
-
-    def _jobs_wait(self) -> float:
-        """Seconds until the queued jobs must be written (0: now)."""
+    def _wait_for(self, due: float) -> float:
+        """Seconds until what is due at `due` must be written (0: now, while a thread waits
+        for the writer or it is closing or has failed)."""
         if self._urgent or self._closed or self.failed:
             return 0
-        return self._jobs_due - time.monotonic()
-
-    def _rows_wait(self) -> float:
-        """Seconds until waiting rows must be written (0: now)."""
-        if self._urgent or self._closed or self.failed:
-            return 0
-        return self._rows.seconds_left()
+        return due - time.monotonic()
 
     def _progress(self, nbytes: int) -> None:
         self._last_progress = time.monotonic()
