@@ -79,5 +79,5 @@ def test_a_tensor_file_takes_what_waits_before_it_along_and_rows_still_follow_th
     assert os.path.exists(document)  # written before it, in order
     wait_until(lambda: os.path.exists(table), 30, "statistic.csv")
     assert written_at(table) >= written_at(tensor) - CLOCK_SLACK
-    assert open(table).read().splitlines()[1].endswith(f"{tensor}")
+    assert open(table).read().splitlines()[1].endswith(tensor)
     assert writer.close(30)
