@@ -666,3 +666,69 @@ def test_a_tensor_measured_whole_and_per_request_gets_both_from_one_conversion(
     for (start, stop), cell in zip(runs, parts):
         assert _same(stats_of(cell), _numpy_one(t.reshape(-1)[start:stop]))
     assert not (queue.tensors or queue.runs or queue.nbytes)
+
+
+def _converted_tensors(seed: int) -> list[torch.Tensor]:
+    """Host tensors large enough to be converted to float32 in the thread's scratch memory
+    (`stats_compute._in_scratch`), in every layout `prepare` meets, and one too large for it."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(256, 320, generator=g) * 10 ** float(torch.randint(-3, 4, (1,), generator=g))
+    assert base.numel() >= statistics.SCRATCH_FROM
+    bf16 = base.to(torch.bfloat16)
+    return [bf16, base.half(), base > 0, bf16.t(), base.half()[:, ::2].t(),
+            torch._neg_view(bf16), bf16.view(320, 256)[:200],
+            (base * 1e20).to(torch.bfloat16),            # float32 sums overflow: float64 again
+            torch.randn(600, 600, generator=g).to(torch.bfloat16)]  # over SCRATCH_ELEMENTS
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tensors_converted_in_the_scratch_get_the_per_tensor_formula_bit_for_bit(seed,
+                                                                                monkeypatch):
+    monkeypatch.setattr(statistics, "SCRATCH_ELEMENTS", 300_000)
+    tensors = _converted_tensors(seed)
+    gaps = tensors[4]  # `prepare` chooses its strides: converted as before
+    assert [statistics._in_scratch(t) is None for t in tensors] == \
+        [t is gaps or t is tensors[-1] for t in tensors]
+    a = statistics._in_scratch(tensors[0])
+    assert np.array_equal(a, prepare(tensors[0]).numpy().reshape(-1))
+    for t in tensors:  # one side at a time
+        cells = _cells(1)
+        compute([t], cells)
+        assert _same(stats_of(cells[0]), _numpy_one(t)), (t.dtype, tuple(t.shape))
+    small = _tensors(seed)
+    batch = tensors + small  # converted ones among small ones, in a shuffled order
+    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed)).tolist()
+    batch = [batch[i] for i in order]
+    cells = _cells(len(batch))
+    compute(batch, cells)
+    for t, cell in zip(batch, cells):
+        assert _same(stats_of(cell), _numpy_one(t)), (t.dtype, tuple(t.shape))
+
+
+def test_each_thread_converts_in_scratch_memory_of_its_own():
+    """Model threads measuring at once (torch's copy gives up the GIL between the conversion
+    and the reductions) never see each other's values."""
+    g = torch.Generator().manual_seed(5)
+    work = [[(torch.randn(200, 200 + 10 * k + i, generator=g) * (i + 1)).to(torch.bfloat16)
+             for i in range(4)] for k in range(2)]
+    want = [[_numpy_one(t) for t in ts] for ts in work]
+    got, failures = [[], []], []
+
+    def measure(k: int) -> None:
+        try:
+            for _ in range(25):
+                cells = _cells(len(work[k]))
+                compute(work[k], cells)
+                got[k].append([stats_of(c) for c in cells])
+        except Exception as exc:  # reported below, with the thread's name
+            failures.append((k, exc))
+
+    threads = [threading.Thread(target=measure, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not failures, failures
+    for k in range(2):
+        assert len(got[k]) == 25
+        assert all(all(_same(c, w) for c, w in zip(row, want[k])) for row in got[k])
