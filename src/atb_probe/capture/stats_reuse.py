@@ -36,9 +36,8 @@ its storage), whose version counter is its own for good.
 A write into a tensor's memory that bypasses PyTorch (through a numpy view or a raw pointer)
 bumps no version counter and is not seen; nor is a write through a `.data` alias
 (`w.data.mul_(2)`: the alias has a counter of its own, and `w`'s stays), nor memory swapped
-under a tensor with
-`t.data = other` and back after `other` changed in place (`.data` assignments keep the
-counter).
+under a tensor with `t.data = other` and back after `other` changed in place (`.data`
+assignments keep the counter).
 """
 from __future__ import annotations
 
