@@ -732,3 +732,47 @@ def test_each_thread_converts_in_scratch_memory_of_its_own():
     for k in range(2):
         assert len(got[k]) == 25
         assert all(all(_same(c, w) for c, w in zip(row, want[k])) for row in got[k])
+
+
+def test_the_scratch_serves_inside_and_outside_inference_mode_and_any_default_device():
+    """A thread's scratch memory made inside `torch.inference_mode` (a serving engine's step)
+    still takes the next conversion outside it (the same thread's plain `no_grad` call), and
+    the other way round; a default device set around the model does not move it off the host."""
+    g = torch.Generator().manual_seed(9)
+    tensors = [(torch.randn(300 + 20 * i, 300, generator=g) * (i + 1)).to(torch.bfloat16)
+               for i in range(4)]
+    want = [_numpy_one(t) for t in tensors]
+
+    def measured(t):
+        cells = _cells(1)
+        compute([t], cells)
+        return stats_of(cells[0])
+
+    def in_a_new_thread(steps):
+        got, failures = [], []
+
+        def run():
+            try:
+                for step in steps:
+                    got.append(step())
+            except Exception as exc:  # reported below
+                failures.append(exc)
+
+        th = threading.Thread(target=run)  # a thread of its own: a scratch not made yet
+        th.start()
+        th.join(60)
+        assert not failures, failures
+        return got
+
+    def inference(t):
+        with torch.inference_mode():
+            return measured(t)
+
+    def on_meta(t):
+        with torch.device("meta"):
+            return measured(t)
+
+    for first, then in [(inference, measured), (measured, inference), (on_meta, measured)]:
+        got = in_a_new_thread([lambda: first(tensors[0]), lambda: then(tensors[1]),
+                               lambda: first(tensors[3]), lambda: then(tensors[2])])
+        assert all(_same(g_, w) for g_, w in zip(got, [want[0], want[1], want[3], want[2]]))

@@ -182,7 +182,12 @@ def _in_scratch(t: torch.Tensor):
         return None
     data = _scratch.data
     if data is None or data.numel() < n:
-        data = _scratch.data = torch.empty(max(n, 1 << 20), dtype=torch.float32)
+        # A normal tensor on the host, whatever the caller runs under: an inference tensor
+        # (made in `torch.inference_mode`) could not be written outside it, and a default
+        # device (`with torch.device(...)`) would put it elsewhere.
+        with torch.inference_mode(False):
+            data = _scratch.data = torch.empty(max(n, 1 << 20), dtype=torch.float32,
+                                               device="cpu")
     out = data[:n]
     out.copy_(dense_flat(x))
     return out.numpy()
