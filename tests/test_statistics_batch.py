@@ -776,3 +776,26 @@ def test_the_scratch_serves_inside_and_outside_inference_mode_and_any_default_de
         got = in_a_new_thread([lambda: first(tensors[0]), lambda: then(tensors[1]),
                                lambda: first(tensors[3]), lambda: then(tensors[2])])
         assert all(_same(g_, w) for g_, w in zip(got, [want[0], want[1], want[3], want[2]]))
+
+
+def test_a_buffer_made_in_inference_mode_still_takes_copies_outside_it(monkeypatch):
+    """A thread's device buffer made during a serving step (`torch.inference_mode`) takes the
+    next gather outside it (a plain `no_grad` call of the same thread) by a copy, as any
+    other, not by falling back to a batch per side."""
+    fallbacks = []
+    batch = DeviceStatistics.batch
+    monkeypatch.setattr(DeviceStatistics, "batch",
+                        lambda self, tensors, cells: (fallbacks.append(len(tensors)),
+                                                      batch(self, tensors, cells)))
+    device = DeviceStatistics()
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(500, generator=g), torch.randn(700, generator=g) * 3
+    first, second = _cells(1), _cells(1)
+    with torch.inference_mode():
+        device.gather([a], first)
+    device.gather([b], second)  # the same buffer, outside inference mode
+    device.flush()
+    wait_landed(device)
+    assert fallbacks == []
+    assert _agree(stats_of(first[0]), _numpy_one(a)) and _agree(stats_of(second[0]),
+                                                                 _numpy_one(b))

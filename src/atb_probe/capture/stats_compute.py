@@ -488,8 +488,9 @@ class DeviceStatistics:
         size = max(size, needed)
         sizes[key] = size
         device, dtype, stream = key
-        buffer = self._here.buffers[key] = _Buffer(stream, torch.empty(size, dtype=dtype,
-                                                                       device=device))
+        with torch.inference_mode(False):  # writable outside inference mode too (`_in_scratch`)
+            data = torch.empty(size, dtype=dtype, device=device)
+        buffer = self._here.buffers[key] = _Buffer(stream, data)
         return buffer
 
     def flush(self) -> None:
