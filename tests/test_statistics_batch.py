@@ -131,7 +131,12 @@ def test_the_sum_of_squares_is_np_dot_bit_for_bit(size, offset, dtype, scale):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_batch_gives_each_tensor_its_own_statistics_bit_for_bit(seed):
-    tensors = _tensors(seed)
+    _check_shuffled_batch(_tensors(seed), seed)
+
+
+def _check_shuffled_batch(tensors: list, seed: int) -> None:
+    """`tensors` measured as one batch, in an order shuffled by `seed`: each gets the
+    per-tensor formula's statistics bit for bit."""
     order = torch.randperm(len(tensors), generator=torch.Generator().manual_seed(seed)).tolist()
     tensors = [tensors[i] for i in order]
     cells = _cells(len(tensors))
@@ -695,14 +700,7 @@ def test_tensors_converted_in_the_scratch_get_the_per_tensor_formula_bit_for_bit
         cells = _cells(1)
         compute([t], cells)
         assert _same(stats_of(cells[0]), _numpy_one(t)), (t.dtype, tuple(t.shape))
-    small = _tensors(seed)
-    batch = tensors + small  # converted ones among small ones, in a shuffled order
-    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed)).tolist()
-    batch = [batch[i] for i in order]
-    cells = _cells(len(batch))
-    compute(batch, cells)
-    for t, cell in zip(batch, cells):
-        assert _same(stats_of(cell), _numpy_one(t)), (t.dtype, tuple(t.shape))
+    _check_shuffled_batch(tensors + _tensors(seed), seed)  # converted ones among small ones
 
 
 def test_each_thread_converts_in_scratch_memory_of_its_own():
