@@ -61,6 +61,52 @@ def test_only_dumped_rounds_bypass_compiled_code(tmp_path, capfd):
     assert capfd.readouterr().err.count(MESSAGE) == 1
 
 
+class Scaled(nn.Module):
+    """Reads its weight through `.data` in `forward`, as vLLM's RMSNorm does."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((4,), 2.0))
+
+    def forward(self, x):
+        return x * self.weight.data + x.data
+
+
+class Logged(torch.Tensor):
+    """A tensor subclass with a `__torch_function__` of its own."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_compiled_code_reading_data_keeps_its_whole_graph_while_the_probe_is_awake(tmp_path):
+    """While the probe is awake `.data` is watched (stats_reuse.py); code compiled in a round
+    that is not dumped still compiles to one graph, and a tensor subclass's `.data` is its
+    own."""
+    backend = CountingBackend()
+    module = Scaled()
+    model = torch.compile(nn.Sequential(module, nn.ReLU()), backend=backend, fullgraph=True)
+    x = torch.arange(4.0)
+
+    @torch.no_grad()
+    def rounds():
+        assert "data" in torch.Tensor.__dict__
+        assert torch.equal(model(x), x * 3.0)        # round 0, not dumped: compiled
+        module.weight.data.mul_(2.0)                 # round 1 must see the write
+        assert torch.equal(model(x), x * 5.0)        # dumped: run eagerly
+        sub = torch.arange(3.0).as_subclass(Logged)
+        assert type(sub.data) is Logged and torch.equal(sub.data, torch.arange(3.0))
+
+    root = dump(tmp_path, config(task="statistics", exec_range="1,1", save_child=True), rounds)
+    assert backend.runs == 1
+    assert "data" not in torch.Tensor.__dict__
+    rows = read_csv(only_proc(root) / "1" / "statistic.csv")
+    weight = [r for r in rows if r["Shape"] == "4" and r["Input/Output"] == "input" and
+              r["Max"] == r["Min"]]
+    assert weight and all(float(r["Max"]) == 4.0 for r in weight)
+
+
 def test_compiled_model_is_named_and_pathed_as_the_model_it_wraps(tmp_path):
     model = torch.compile(mlp(), backend=CountingBackend())
     root = dump(tmp_path, config(task="statistics"), lambda: model(torch.randn(2, 4)))

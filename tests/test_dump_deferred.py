@@ -2,9 +2,12 @@
 values of the moment the tensor was seen."""
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import nn
 
+import atb_probe
 from conftest import dump, only_proc, read_csv
 from harness import config
 
@@ -52,6 +55,73 @@ def test_a_weight_whose_data_is_replaced_between_rounds_gets_new_statistics(tmp_
     assert first and second
     assert [float(second[0][k]) for k in ("Max", "Min", "Mean", "Norm")] == [3.0, 3.0, 3.0, 12.0]
     assert first[0]["Max"] != second[0]["Max"]
+
+
+def _weight_stats(round_dir) -> list[float]:
+    row = _weight_rows(round_dir)[0]
+    return [float(row[k]) for k in ("Max", "Min", "Mean", "Norm")]
+
+
+def test_a_weight_written_through_its_data_alias_between_rounds_gets_new_statistics(tmp_path):
+    """`w.data` is an alias with a version counter of its own: writing through it leaves
+    `w._version` as it was, and the statistics must still follow the new values. Every way
+    a weight is written like that: the whole alias, a narrowed piece of it, and the alias of a
+    slice (the last two are how vLLM's weight loaders copy a shard in)."""
+    net = Net()
+    x = torch.randn(2, 4)
+    weight = net.blocks[0].lin.weight
+
+    def run():
+        with torch.no_grad():
+            weight.copy_(torch.full((4, 4), 1.0))
+            net(x)
+            net(x)   # found again: unchanged
+            weight.data.mul_(2.0)
+            net(x)
+            weight.data.narrow(0, 0, 1).copy_(torch.full((1, 4), 7.0))
+            net(x)
+            weight[2:].data.fill_(5.0)
+            net(x)
+
+    root = only_proc(dump(tmp_path, config(task="statistics", save_child=True), run))
+    assert [_weight_stats(root / str(i)) for i in range(5)] == [
+        [1.0, 1.0, 1.0, 4.0], [1.0, 1.0, 1.0, 4.0], [2.0, 2.0, 2.0, 8.0],
+        [7.0, 2.0, 3.25, (4 * 49 + 12 * 4) ** 0.5],
+        [7.0, 2.0, 4.75, (4 * 49 + 4 * 4 + 8 * 25) ** 0.5]]
+    assert "data" not in torch.Tensor.__dict__  # nothing of the probe's left on Tensor
+
+
+def test_a_weight_written_through_its_data_alias_while_the_probe_sleeps(tmp_path):
+    """While the probe sleeps nothing of it is installed, so such a write goes unseen then; the
+    probe measures anew when it wakes."""
+    config_path = tmp_path / "config.json"
+
+    def save(**overrides):
+        fresh = tmp_path / "config.json.new"
+        fresh.write_text(json.dumps(config(task="statistics", save_child=True, **overrides)))
+        fresh.replace(config_path)  # a new file: its change is seen at the next poll
+        probe.poll_config()
+
+    net = Net()
+    x = torch.randn(2, 4)
+    weight = net.blocks[0].lin.weight
+    config_path.write_text(json.dumps(config(task="statistics", save_child=True)))
+    probe = atb_probe.enable(str(tmp_path / "out"), str(config_path))
+    try:
+        with torch.no_grad():
+            weight.copy_(torch.full((4, 4), 1.0))
+            net(x)
+            save(dump_enable=False)
+            assert not probe.engine.awake and "data" not in torch.Tensor.__dict__
+            weight.data.mul_(3.0)
+            save(dump_enable=True)
+            assert probe.engine.awake
+            net(x)
+    finally:
+        assert atb_probe.disable(timeout=60)
+    root = only_proc(tmp_path / "out" / "atb_dump_data")
+    assert [_weight_stats(root / str(i)) for i in range(2)] == [[1.0, 1.0, 1.0, 4.0],
+                                                                [3.0, 3.0, 3.0, 12.0]]
 
 
 def test_a_tensor_written_in_place_later_in_the_layer_keeps_the_statistics_of_its_time(tmp_path):

@@ -38,6 +38,7 @@ from .frames import Below, Frame, RoundRun
 from .models import ModelCatalog, phase_of, uncompiled
 from .ops import OpWalker
 from .recorder import Recorder
+from .stats_reuse import watch_parameter_data
 from .tokens import call_layout
 from .vllm import VllmSteps
 
@@ -127,6 +128,11 @@ class Engine:
             __call__.__atb_probe__ = True
             self._original, self._wrapper = original, __call__
             nn.Module.__call__ = __call__
+            # What was measured before the probe slept may have changed meanwhile unseen
+            # (through `.data`, or a raw pointer): measure anew. While it is awake, a
+            # parameter's `.data` is watched (stats_reuse.py).
+            self.recorder.stats.clear()
+            watch_parameter_data(True)
 
     @property
     def awake(self) -> bool:
@@ -168,6 +174,7 @@ class Engine:
             nn.Module.__call__ = self._original
         self._wrapper = None
         self.sleep_requested = False
+        watch_parameter_data(False)
 
     def after_fork(self) -> None:
         """In a forked child only the forking thread survives: start its stack afresh; its

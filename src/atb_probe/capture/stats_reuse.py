@@ -25,6 +25,16 @@ its memory cannot have been reused meanwhile, and every in-place change through 
 the counter they share. (`.data` makes an alias
 with a counter of its own, starting at 0: the owner check keeps it from matching.)
 
+A write through the `.data` of a parameter or of a view of one (`w.data.mul_(2)`, and as
+vLLM's weight loaders write a weight, `w.data.narrow(0, 0, n).copy_(x)` or
+`w[:n].data.copy_(x)`) changes `w`'s values and leaves `w._version` as it was. So while the
+probe is awake `torch.Tensor.data` is a property (`watch_parameter_data`) that gives the
+parameter a new *data epoch* each time the `.data` of it or of a view of it is read or set, and
+`_version` reports a tensor's counter together with its owner's epoch: whatever was kept for
+the parameter, its views and the kernel outputs over its memory stops matching. (A read alone,
+vLLM's `RMSNorm` passing `self.weight.data` to its kernel, only costs that parameter a new
+measurement.) The engine clears the cache when the probe wakes, for writes made while it slept.
+
 One exception makes kernel outputs special. Inside `__torch_dispatch__` a view made by the
 kernel does not share its base's version counter yet (autograd's view tracking sits above the
 Python dispatch key and links them only after the kernel returns), so a kernel output is never
@@ -34,18 +44,21 @@ arguments; and its own statistics are cached only when it owns fresh memory (no 
 its storage), whose version counter is its own for good.
 
 A write into a tensor's memory that bypasses PyTorch (through a numpy view or a raw pointer)
-bumps no version counter and is not seen; nor is a write through a `.data` alias
-(`w.data.mul_(2)`: the alias has a counter of its own, and `w`'s stays), nor memory swapped
-under a tensor with `t.data = other` and back after `other` changed in place (`.data`
-assignments keep the counter).
+bumps no version counter and is not seen while the probe is awake; nor is a write through the
+`.data` alias of a tensor that is no parameter or view of one (a buffer, an activation), nor
+one through a `.data` alias kept from before the parameter's statistics were computed, nor one
+inside code that `torch.compile` compiled (it takes `.data` without the property), in a round
+not dumped.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import weakref
 
 import torch
+from torch import nn
 
 from ..stats_cell import EMPTY, QUEUED, new_cell, new_serial, waits_in
 from .stats_compute import DeviceStatistics, compute, compute_runs, is_dense
@@ -83,14 +96,81 @@ def _owner(t: torch.Tensor) -> torch.Tensor:
 
 
 def _version(t: torch.Tensor):
+    """What says `t`'s values changed: its version counter, with its owner's data epoch when
+    that parameter's `.data` was taken (see the module docstring); None when there is none."""
     # Inference tensors (made under torch.inference_mode, as serving engines run) have no
     # version counter; asking raises, and a raised C++ error costs ~15 us.
     if t.is_inference():
         return None
     try:
-        return t._version
+        version = t._version
     except Exception:
         return None
+    if _DATA_EPOCHS:
+        base = t._base
+        epoch = _DATA_EPOCHS.get(id(t) if base is None else id(base))
+        if epoch is not None:
+            return version, epoch
+    return version
+
+
+# -- writes through a parameter's `.data` --------------------------------------------------------
+
+_DATA_EPOCHS: dict = {}  # id(parameter) -> its latest data epoch; the entry goes with it
+_next_epoch = itertools.count(1).__next__
+_TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # the getter and setter the property wraps
+_watchers = 0
+_watch_lock = threading.Lock()
+
+
+def _data_taken(t) -> None:
+    """`t.data` was read or set: when `t` is a parameter or a view of one, that parameter's
+    values may change behind its version counter; give it a new data epoch."""
+    base = t._base
+    p = t if base is None else base
+    if not isinstance(p, _PARAMETER):
+        return
+    key = id(p)
+    if key not in _DATA_EPOCHS:
+        try:
+            weakref.finalize(p, _DATA_EPOCHS.pop, key, None)
+        except TypeError:  # not weak-referenceable: an entry could outlive it, under its id
+            return
+    _DATA_EPOCHS[key] = _next_epoch()
+
+
+def _get_data(self):
+    if type(self) is _TENSOR or isinstance(self, _PARAMETER):
+        _data_taken(self)
+    return _TENSOR_DATA.__get__(self, type(self))
+
+
+def _set_data(self, value):
+    _TENSOR_DATA.__set__(self, value)
+    if type(self) is _TENSOR or isinstance(self, _PARAMETER):
+        _data_taken(self)
+
+
+# A parameter is an nn.Parameter, its views plain tensors. Other tensor subclasses are passed
+# by: `torch.compile` traces this property for those with a `__torch_function__` of their own,
+# and would break its graph at `_base`.
+_TENSOR, _PARAMETER = torch.Tensor, nn.Parameter
+_WATCHED_DATA = property(_get_data, _set_data, doc=_TENSOR_DATA.__doc__)
+
+
+def watch_parameter_data(on: bool) -> None:
+    """Install (`on`) or take back, once the last awake probe asks, the `torch.Tensor.data`
+    property that gives a parameter a new data epoch whenever the `.data` of it or of a view
+    of it is read or set. A `data` that torch.Tensor already defines (another tool's) is left
+    alone, and then such writes are not seen."""
+    global _watchers
+    with _watch_lock:
+        _watchers = max(0, _watchers + (1 if on else -1))
+        mine = torch.Tensor.__dict__.get("data") is _WATCHED_DATA
+        if _watchers and not mine and "data" not in torch.Tensor.__dict__:
+            torch.Tensor.data = _WATCHED_DATA
+        elif not _watchers and mine:
+            del torch.Tensor.data
 
 
 def _after_fork(ref) -> None:
