@@ -101,3 +101,28 @@ def test_a_save_child_step_records_written_arguments_and_scans_clean(tmp_path, t
             assert (step / rel / "after" / f"{name}.bin").is_file(), (rel, name)
     scanned = probe_cli("scan", str(root))
     assert scanned.returncode == 0, scanned.stdout + scanned.stderr
+
+
+def test_a_weight_loaded_into_the_running_engine_gets_new_statistics(tmp_path, tiny_model,
+                                                                    vllm_cache):
+    """New weights pushed into a running engine through `load_weights`: vLLM's embedding loader
+    writes through `param[:n].data`, behind the weight's version counter. The steps after the
+    load must show the new weight, not the statistics kept from before (SPEC §5)."""
+    (tmp_path / "config.json").write_text(json.dumps(config(task="statistics", save_child=True)))
+    offline(tmp_path, tiny_model, vllm_cache, eager=True, prompts=1, tokens=2, reload_scale=4.0)
+    root = tmp_path / "atb_dump_data"
+    wait_complete(root)
+    proc = worker_dir(root)
+    rounds = rounds_of(proc)
+    assert len(rounds) == 4, rounds   # a prefill and a decode step before the load, and after
+
+    def embedding_max(index: int) -> float:
+        rows = [r for r in read_csv(proc / str(index) / "statistic.csv")
+                if r["Op Type"] == "EmbeddingKernel" and r["Input/Output"] == "input" and
+                r["Index"] == "0"]
+        assert len(rows) == 1, rows
+        return float(rows[0]["Max"])
+
+    before, after = [embedding_max(i) for i in rounds[:2]], [embedding_max(i) for i in rounds[2:]]
+    assert before[0] == before[1] and after[0] == after[1]
+    assert after[0] == pytest.approx(4.0 * before[0], rel=1e-6)

@@ -39,16 +39,21 @@ def engine_env(cache: Path) -> dict:
 
 
 def offline(tmp: Path, model: Path, cache: Path, *, eager: bool, probe: bool = True,
-            prompts: int = 2, tokens: int = 4, tp: int = 1) -> tuple[list[list[int]], str]:
+            prompts: int = 2, tokens: int = 4, tp: int = 1,
+            reload_scale: float | None = None) -> tuple[list[list[int]], str]:
     """Run `LLM(model).generate` (greedy) in a new process, through the load script with
     tmp/config.json when `probe`; its generated token ids and its stderr. `tp`: tensor-parallel
     workers, each bound to a core of its own (vLLM's CPU workers ask for a NUMA node each
-    otherwise)."""
+    otherwise). `reload_scale`: then load the embedding weight again, scaled, and generate
+    once more (offline.py)."""
+    reload = ["--reload-scale", reload_scale] if reload_scale is not None else []
     command = terminal(sys.executable, OFFLINE, model, "--prompts", prompts, "--tokens", tokens,
-                       "--tp", tp, *(["--eager"] if eager else []))
+                       "--tp", tp, *(["--eager"] if eager else []), *reload)
     if probe:
         command = loaded(command, tmp, tmp / "config.json")
     env = engine_env(cache)
+    if reload:  # `LLM.apply_model` sends the function to the engine's process by pickle
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1))
                                                     for i in range(tp))
