@@ -107,6 +107,54 @@ def test_compiled_code_reading_data_keeps_its_whole_graph_while_the_probe_is_awa
     assert weight and all(float(r["Max"]) == 4.0 for r in weight)
 
 
+class Leaf(nn.Module):
+    """A module of the user's own with no submodule: `torch.compile` wraps it so that the
+    compiled call goes to its `__call__` as it was when it was compiled."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.bias = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def test_a_compiled_module_without_submodules_called_as_the_model_is_its_layer_level_op(
+        tmp_path):
+    """`torch.compile(Leaf())` called as the model, compiled before the probe woke: its dumped
+    round holds the Leaf and its kernels, as the Leaf called eagerly gives (SPEC §1), though the
+    wrapper calls the Leaf past the probe's `nn.Module.__call__`; other rounds run it
+    compiled."""
+    torch.manual_seed(0)
+    leaf = Leaf()
+    backend = CountingBackend()
+    model = torch.compile(leaf, backend=backend)
+    x = torch.randn(2, 4)
+    runs = []
+
+    @torch.no_grad()
+    def three_rounds():
+        for _ in range(3):
+            before = backend.runs
+            model(x)
+            runs.append(backend.runs - before)
+
+    cfg = config(task="statistics", exec_range="1,1", save_child=True)
+    compiled = only_proc(dump(tmp_path / "compiled", cfg, three_rounds)) / "1"
+    assert runs == [1, 0, 1]
+    rows = read_csv(compiled / "statistic.csv")
+    assert sorted({(r["Op Id"], r["Op Name"]) for r in rows}) == [
+        ("0", "Leaf"), ("0_0", "Leaf/TKernel"), ("0_1", "Leaf/AddmmKernel")]
+    with torch.no_grad():
+        eager = only_proc(dump(tmp_path / "eager", config(task="statistics", save_child=True),
+                               lambda: leaf(x))) / "0"
+    columns = ("Op Name", "Op Type", "Op Id", "Input/Output", "Index", "Shape", "Max", "Min",
+               "Mean", "Norm")
+    assert [[r[c] for c in columns] for r in rows] == \
+        [[r[c] for c in columns] for r in read_csv(eager / "statistic.csv")]
+
+
 def test_compiled_model_is_named_and_pathed_as_the_model_it_wraps(tmp_path):
     model = torch.compile(mlp(), backend=CountingBackend())
     root = dump(tmp_path, config(task="statistics"), lambda: model(torch.randn(2, 4)))

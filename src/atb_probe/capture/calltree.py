@@ -238,7 +238,9 @@ class Engine:
                     _DYNAMO in sys.modules:
                 with _FORCE_EAGER("force_eager"):
                     if as_op:
-                        return self.ops.child_call(frame, module, args, kwargs)
+                        # A compiled leaf runs eagerly here anyway: as the module it wraps,
+                        # whose `__call__` its wrapper would call past this one's.
+                        return self.ops.child_call(frame, uncompiled(module), args, kwargs)
                     return original(module, *args, **kwargs)
             if as_op:
                 return self.ops.child_call(frame, module, args, kwargs)
@@ -268,10 +270,10 @@ class Engine:
 
     def _root_is_op(self, rnd: RoundRun, module) -> bool:
         """Whether a root is a layer-level op itself rather than a container (SPEC §1, §8): a
-        root with no submodule (an `nn.Linear` called as the model), or a later root of an
-        engine step that holds no block list (vLLM's logits processor and sampler; a draft
-        model in the same step still shows its layers)."""
-        if next(iter(module._modules.values()), None) is None:
+        root with no submodule (an `nn.Linear` called as the model, compiled or not), or a
+        later root of an engine step that holds no block list (vLLM's logits processor and
+        sampler; a draft model in the same step still shows its layers)."""
+        if next(iter(uncompiled(module)._modules.values()), None) is None:
             return True
         return rnd.roots > 1 and not self.models.info(module).holds_blocks
 
