@@ -33,6 +33,21 @@ class CountingBackend:
         return run
 
 
+def compiled_runs(model, backend: CountingBackend, x, rounds: int):
+    """A function calling `model(x)` `rounds` times without grad, and the list it fills with
+    how many times each call ran the compiled graph."""
+    runs = []
+
+    @torch.no_grad()
+    def call():
+        for _ in range(rounds):
+            before = backend.runs
+            model(x)
+            runs.append(backend.runs - before)
+
+    return call, runs
+
+
 def mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
@@ -42,14 +57,7 @@ def test_only_dumped_rounds_bypass_compiled_code(tmp_path, capfd):
     backend = CountingBackend()
     model = torch.compile(mlp(), backend=backend)
     x = torch.randn(2, 4)
-    runs = []
-
-    @torch.no_grad()
-    def three_rounds():
-        for _ in range(3):
-            before = backend.runs
-            model(x)
-            runs.append(backend.runs - before)
+    three_rounds, runs = compiled_runs(model, backend, x, rounds=3)
 
     root = dump(tmp_path, config(exec_range="1,1", save_child=True), three_rounds)
     assert runs == [1, 0, 1]
@@ -131,14 +139,7 @@ def test_a_compiled_module_without_submodules_called_as_the_model_is_its_layer_l
     backend = CountingBackend()
     model = torch.compile(leaf, backend=backend)
     x = torch.randn(2, 4)
-    runs = []
-
-    @torch.no_grad()
-    def three_rounds():
-        for _ in range(3):
-            before = backend.runs
-            model(x)
-            runs.append(backend.runs - before)
+    three_rounds, runs = compiled_runs(model, backend, x, rounds=3)
 
     cfg = config(task="statistics", exec_range="1,1", save_child=True)
     compiled = only_proc(dump(tmp_path / "compiled", cfg, three_rounds)) / "1"
