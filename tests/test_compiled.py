@@ -254,6 +254,127 @@ def test_a_compiled_submodule_is_seen_in_dumped_rounds(tmp_path):
         "1_Block/0_Linear/1_AddmmKernel", "1_Block/1_ReluKernel", "1_Block/2_AddTensorKernel"]
 
 
+class Gate(nn.Module):
+    """A user's module with no submodule, inside a block."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return torch.relu(x @ self.weight)
+
+
+class GatedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.fc(x)) + x
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([GatedBlock() for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def compile_regions(model: Stack, what: str) -> Stack:
+    """`torch.compile` wrappers put in place of some of `model`'s modules."""
+    def wrap(module):
+        return torch.compile(module, backend="eager")
+    if what == "blocks":
+        model.layers = nn.ModuleList([wrap(b) for b in model.layers])
+    elif what == "user leaves":
+        for block in model.layers:
+            block.gate = wrap(block.gate)
+    elif what == "torch leaves":
+        for block in model.layers:
+            block.fc = wrap(block.fc)
+        model.head = wrap(model.head)
+    return model
+
+
+def dump_rows_and_paths(root):
+    """A one-round dump's statistic.csv rows, and the (opName, modulePath)s of its structure
+    files (the model file and the layer files)."""
+    rows = read_csv(only_proc(root) / "0" / "statistic.csv")
+    pairs = []
+
+    def walk(node):
+        for child in node.get("nodes", []):
+            pairs.append((child["opName"], child.get("modulePath")))
+            walk(child)
+    for file in (root / "info").rglob("*.json"):
+        walk(json.loads(file.read_text()))
+    columns = ("Op Name", "Op Type", "Op Id", "Input/Output", "Index", "Shape", "Max", "Min",
+               "Mean", "Norm")
+    return [[r[c] for c in columns] for r in rows], sorted(pairs)
+
+
+@pytest.mark.parametrize("awake", [False, True], ids=["compiled asleep", "compiled awake"])
+@pytest.mark.parametrize("what", ["blocks", "user leaves", "torch leaves"])
+def test_compiled_regions_of_a_model_dump_as_the_eager_model(tmp_path, what, awake):
+    """Blocks, user modules with no submodule or torch's own modules each wrapped by
+    `torch.compile` (regional compilation), compiled before the probe woke or while it is
+    awake: a dumped round has the eager model's ops, IDs, names, values and module paths, with
+    no `OptimizedModule` op and no op doubled by its wrapper."""
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    cfg = config(task="statistics", save_child=True)
+    torch.manual_seed(0)
+    eager = Stack().eval()
+    with torch.no_grad():
+        expected = dump_rows_and_paths(dump(tmp_path / "eager", cfg, lambda: eager(x)))
+    torch.manual_seed(0)
+    model = Stack().eval()
+
+    @torch.no_grad()
+    def compiled_call():
+        if awake:
+            compile_regions(model, what)
+        model(x)
+
+    if not awake:
+        compile_regions(model, what)
+        with torch.no_grad():
+            model(x)
+    got = dump_rows_and_paths(dump(tmp_path / "compiled", cfg, compiled_call))
+    assert got == expected
+    layer_ops = [r[0] for r in got[0] if "/" not in r[0]]
+    assert layer_ops[::2] == ["GatedBlock", "GatedBlock", "Linear"]
+    assert ("Gate_0_1", "layers.0.gate") in got[1]
+
+
+def test_hooks_on_a_compiled_wrapper_run_in_dumped_rounds(tmp_path):
+    """Hooks registered on the `torch.compile` wrapper of a leaf called as the model run in
+    its dumped rounds as in the others: the model returns what it returns un-probed, and the
+    hooks' kernels are the op's children."""
+    torch.manual_seed(0)
+    model = torch.compile(Leaf(), backend="eager")
+    model.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    model.register_forward_hook(lambda module, args, out: out + 100)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = model(x)
+    outputs = []
+    with torch.no_grad():
+        root = dump(tmp_path, config(task="statistics", save_child=True),
+                    lambda: outputs.append(model(x)))
+    assert torch.equal(outputs[0], expected)
+    rows = read_csv(only_proc(root) / "0" / "statistic.csv")
+    assert [r["Op Name"] for r in rows if r["Input/Output"] == "output"] == [
+        "Leaf/MulTensorKernel", "Leaf/TKernel", "Leaf/AddmmKernel", "Leaf/AddTensorKernel", "Leaf"]
+    assert float(rows[-1]["Max"]) == pytest.approx(float(expected.max()))
+
+
 BERT_COMPILED = """
 import torch
 from transformers import BertConfig, BertForSequenceClassification

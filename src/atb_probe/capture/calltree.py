@@ -225,7 +225,9 @@ class Engine:
             if rnd is None:
                 frame = _UNSEEN_FRAME
             else:
-                frame = Frame(_CONTAINER if rnd.dumping else _UNSEEN)
+                inner = uncompiled(module)
+                frame = Frame(_CONTAINER if rnd.dumping else _UNSEEN,
+                              inner if inner is not module else None)
                 rnd.roots += 1
                 if rnd.dumping:
                     as_op = self._root_is_op(rnd, module)
@@ -238,9 +240,7 @@ class Engine:
                     _DYNAMO in sys.modules:
                 with _FORCE_EAGER("force_eager"):
                     if as_op:
-                        # A compiled leaf runs eagerly here anyway: as the module it wraps,
-                        # whose `__call__` its wrapper would call past this one's.
-                        return self.ops.child_call(frame, uncompiled(module), args, kwargs)
+                        return self.ops.child_call(frame, module, args, kwargs)
                     return original(module, *args, **kwargs)
             if as_op:
                 return self.ops.child_call(frame, module, args, kwargs)

@@ -21,12 +21,15 @@ class Below(enum.Enum):
 
 class Frame:
     """An entry of a thread's op stack that is not an op: a root or a container, or a call
-    whose inside is not seen. `below` says what happens to the calls made inside it."""
+    whose inside is not seen. `below` says what happens to the calls made inside it; `wraps`,
+    for a `torch.compile` wrapper's call, the module it wraps, whose own call inside it is
+    the same op (or container) and gets no frame."""
 
-    __slots__ = ("below",)
+    __slots__ = ("below", "wraps")
 
-    def __init__(self, below: Below):
+    def __init__(self, below: Below, wraps=None):
         self.below = below
+        self.wraps = wraps
 
 
 class OpFrame(Frame):
@@ -39,8 +42,10 @@ class OpFrame(Frame):
                  "collect", "layer", "path", "record")
 
     def __init__(self, op_id: str, name: str, full_name: str, rel: str, dump: bool,
-                 dump_children: bool, below: Below, layer, collect: bool, path=None):
+                 dump_children: bool, below: Below, layer, collect: bool, path=None,
+                 wraps=None):
         self.below = below
+        self.wraps = wraps
         self.op_id = op_id
         self.name = name
         self.full_name = full_name

@@ -20,18 +20,23 @@ from .tokens import ModelPrompts
 
 
 class ModuleInfo:
-    """What the probe needs to know about one module, computed once."""
+    """What the probe needs to know about one module, computed once. A `torch.compile`
+    wrapper is described as the module it wraps (`wraps`): the two are one op, named as in
+    the eager model, whose call is the wrapper's (its hooks run)."""
 
-    __slots__ = ("name", "params", "holds_blocks", "element", "stands_for_function",
+    __slots__ = ("name", "params", "holds_blocks", "element", "stands_for_function", "wraps",
                  "__weakref__")
 
     def __init__(self, module: nn.Module):
-        self.name = sanitize(type(module).__name__)
+        inner = uncompiled(module)
+        self.wraps = inner if inner is not module else None
+        cls = type(inner)
+        self.name = sanitize(cls.__name__)
         # Called like the function it wraps, and taken for that call: no op of its own.
-        self.stands_for_function = is_function_adapter(type(module))
-        self.params = forward_params(type(module))
+        self.stands_for_function = is_function_adapter(cls)
+        self.params = forward_params(cls)
         # A block list itself, or one anywhere below: a container unless it is an element.
-        self.holds_blocks = any(is_block_list(m) for m in module.modules())
+        self.holds_blocks = any(is_block_list(m) for m in inner.modules())
         self.element = False  # an element of a block list: set when its model is first seen
 
     @property
@@ -73,20 +78,26 @@ class Model:
         self.name = name
         self.first = first    # the first model of the process: its layer files need no folder
         inner = uncompiled(module)
-        # Attribute paths from the root; a torch.compile wrapper is looked through, so paths
-        # read as in the model's code (`model.layers.0`, not `_orig_mod.model.layers.0`).
+        # Attribute paths from the root; torch.compile wrappers are looked through, so paths
+        # read as in the model's code (`model.layers.0`, not `_orig_mod.model.layers.0` nor
+        # `model.layers.0._orig_mod`): a wrapper and the module it wraps have one path.
         self.paths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.compiled = inner is not module
         self.prompts = ModelPrompts()  # its batch rows' prompts, for decode rounds' tokens.json
         for path, m in inner.named_modules():
+            if _WRAPPED in path:
+                path = ".".join(p for p in path.split(".") if p != _WRAPPED)
             self.paths.setdefault(m, path)
             if getattr(m, "_compiled_call_impl", None) is not None or uncompiled(m) is not m:
                 self.compiled = True
 
 
+_WRAPPED = "_orig_mod"  # a torch.compile wrapper's attribute for the module it wraps
+
+
 def uncompiled(module: nn.Module) -> nn.Module:
     """The module a `torch.compile` wrapper (`OptimizedModule`) stands for, else `module`."""
-    inner = getattr(module, "_orig_mod", None)
+    inner = getattr(module, _WRAPPED, None)
     return inner if isinstance(inner, nn.Module) else module
 
 

@@ -65,12 +65,14 @@ class OpWalker:
         return out
 
     def enter(self, rnd: RoundRun, parent: Frame, module, args, kwargs):
+        if parent.wraps is module:
+            return None, None  # called by its torch.compile wrapper: the wrapper's op
         info = self.info(module)
         if info.stands_for_function:
             return None, None  # the function call it stands for (`is_function_adapter`)
         if parent.below is _CONTAINER:
             if info.is_container:
-                return Frame(_CONTAINER), None
+                return Frame(_CONTAINER, info.wraps), None
             return self.enter_layer(rnd, module, info, args, kwargs)
         index = parent.children
         parent.children += 1
@@ -80,7 +82,8 @@ class OpWalker:
                                               parent.dump_children)
         frame = OpFrame(op_id, info.name, full_name,
                         layout.child_op_dir(parent.rel, index, info.name), choice.dump,
-                        choice.dump_children, _TRACK, parent.layer, parent.collect)
+                        choice.dump_children, _TRACK, parent.layer, parent.collect,
+                        wraps=info.wraps)
         if choice.dump:
             rnd.selected += 1
         if frame.dump or frame.collect:  # else nothing to record: skip the context
@@ -103,7 +106,7 @@ class OpWalker:
         layer = self.recorder.begin_layer(rnd, info.name, op_id, plan.track_children)
         frame = OpFrame(op_id, info.name, info.name, layout.op_folder(op_id, info.name),
                         plan.dump, plan.dump_children, _TRACK if plan.track_children else _UNSEEN,
-                        layer, layer.collect, rnd.model.paths.get(module))
+                        layer, layer.collect, rnd.model.paths.get(module), info.wraps)
         frame.record = self.recorder.module_inputs(rnd, frame, module, info.params, args, kwargs,
                                                    named=False)
         mode = KernelCapture(self) if plan.track_children else None

@@ -37,6 +37,7 @@ from ..statcsv import (DERIVED_FILE_NAME, FILE_NAME as CSV_FILE, HEADER, REQUEST
                        REQUEST_HEADER, shape_cell, side_rows, tensor_path_cell)
 from ..tokens import TokenLayout
 from .arguments import bind_args, kernel_tensors
+from .models import uncompiled
 from .requests import RequestSlices
 from .stats_reuse import Queue, StatsCache
 from .sums import sum_index, sums_of
@@ -203,7 +204,7 @@ class Recorder:
         if not (frame.dump or frame.layer.collect):
             return None
         record = OpRecord()
-        record.sums = _class_sums(type(module))
+        record.sums = _class_sums(type(uncompiled(module)))
         pairs = bind_args(params, args, kwargs)
         # op_param.json (tensor tasks) and the structure files describe the arguments;
         # otherwise only the tensors matter.
@@ -244,9 +245,11 @@ class Recorder:
                                       doc))
 
     def static_param(self, module) -> dict:
-        """The module's configuration: class, extra_repr, dtype and parameter shapes."""
+        """The module's configuration: class, extra_repr, dtype and parameter shapes (of the
+        module a torch.compile wrapper wraps)."""
         doc = self._static.get(module)
         if doc is None:
+            key, module = module, uncompiled(module)
             shapes, dtype, lazy = {}, None, False
             for i, (name, p) in enumerate(module.named_parameters()):
                 if i >= MAX_PARAM_SHAPES:
@@ -265,7 +268,7 @@ class Recorder:
                    "class": f"{type(module).__module__}.{type(module).__qualname__}",
                    "extra_repr": extra, "dtype": dtype, "parameters": shapes}
             if not lazy:  # kept once its shapes are known
-                self._static[module] = doc
+                self._static[key] = doc
         return doc
 
     # -- kernels ----------------------------------------------------------------------------
