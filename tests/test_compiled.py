@@ -375,6 +375,37 @@ def test_hooks_on_a_compiled_wrapper_run_in_dumped_rounds(tmp_path):
     assert float(rows[-1]["Max"]) == pytest.approx(float(expected.max()))
 
 
+def test_a_model_whose_call_is_compiled_while_the_probe_is_awake(tmp_path):
+    """`torch.compile(model.__call__)` (as transformers compiles decoding with a static cache
+    on a GPU) compiled while the probe is awake: compiled code calls the probe's round, which
+    used to stop the user's run (`set_stance` inside compiled code) and had torch.compile trace
+    the probe's own code. Every call is a round; the dumped one holds what the eager model
+    gives; the results are the model's."""
+    model = mlp()
+    backend = CountingBackend()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = model(x)
+        eager = only_proc(dump(tmp_path / "eager", config(task="statistics"),
+                               lambda: model(x))) / "0"
+    outputs = []
+
+    @torch.no_grad()
+    def three_calls():
+        compiled = torch.compile(model.__call__, backend=backend)
+        outputs.extend(compiled(x) for _ in range(3))
+
+    root = dump(tmp_path / "compiled", config(task="statistics", exec_range="1,1"), three_calls)
+    assert all(torch.equal(out, expected) for out in outputs)
+    status = json.loads(next((root / "status").glob("*.json")).read_text())
+    assert (status["rounds_started"], status["rounds_dumped"], status["last_error"]) == \
+        (3, 1, None)
+    columns = ("Op Name", "Op Id", "Input/Output", "Index", "Shape", "Max", "Min", "Mean",
+               "Norm")
+    assert [[r[c] for c in columns] for r in read_csv(only_proc(root) / "1" / "statistic.csv")] \
+        == [[r[c] for c in columns] for r in read_csv(eager / "statistic.csv")]
+
+
 BERT_COMPILED = """
 import torch
 from transformers import BertConfig, BertForSequenceClassification

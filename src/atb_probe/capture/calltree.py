@@ -198,6 +198,16 @@ class Engine:
     # -- roots and rounds -------------------------------------------------------------------
 
     def root_call(self, module, args, kwargs):
+        if _DYNAMO in sys.modules and _in_compiled_region():
+            # Called from compiled code: `torch.compile` of a function that calls the model (a
+            # decoding step), or of its `__call__` (transformers' decoding with a static
+            # cache). The probe's own code must not be compiled, and a dumped round must run
+            # eagerly, which compiled code cannot switch to inside itself: the whole call runs
+            # with torch.compile off.
+            return sys.modules[_DYNAMO].disable(self._root_call)(module, args, kwargs)
+        return self._root_call(module, args, kwargs)
+
+    def _root_call(self, module, args, kwargs):
         original = self.original_call
         if self._stands_for_function(module):
             return original(module, *args, **kwargs)  # no model's call: no round
@@ -460,6 +470,16 @@ class CompileNotice:
 # 70 MB on the first dumped round of a process that never compiles).
 _FORCE_EAGER = getattr(getattr(torch, "compiler", None), "set_stance", None)
 _DYNAMO = "torch._dynamo"
+
+
+_EVAL_FRAME_CALLBACK = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+                               "get_eval_frame_callback", None)
+
+
+def _in_compiled_region() -> bool:
+    """Whether this code runs inside a call of compiled code: torch.compile's frame callback
+    is set (each Python frame called is offered to it, and the stance cannot change)."""
+    return _EVAL_FRAME_CALLBACK is not None and _EVAL_FRAME_CALLBACK() not in (None, False)
 
 
 def _dynamo_compiled() -> bool:
