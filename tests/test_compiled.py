@@ -1,5 +1,5 @@
 """`torch.compile` (SPEC §7): dumped rounds run compiled code eagerly so its ops are seen; other
-rounds, and a sleeping probe, leave it compiled.
+rounds, and a sleeping probe, leave it compiled. And `torch.jit.trace`, whose runs are no rounds.
 
 A custom backend counts how often compiled code runs, so the tests see which rounds bypassed it.
 """
@@ -404,6 +404,39 @@ def test_a_model_whose_call_is_compiled_while_the_probe_is_awake(tmp_path):
                "Norm")
     assert [[r[c] for c in columns] for r in read_csv(only_proc(root) / "1" / "statistic.csv")] \
         == [[r[c] for c in columns] for r in read_csv(eager / "statistic.csv")]
+
+
+def test_a_model_traced_by_torch_jit_while_the_probe_is_awake(tmp_path):
+    """`torch.jit.trace` runs the model twice (the trace, then its check) and records every
+    torch call made meanwhile: those runs are no rounds, so the probe's own work on the
+    model's tensors stays out of the trace, and the check passes (it failed with "Graphs
+    differed across invocations", the second run finding the statistics the first had
+    computed)."""
+    model = mlp()
+    x = torch.randn(2, 4)
+
+    def kinds(traced):
+        return [node.kind() for node in traced.inlined_graph.nodes()]
+
+    with torch.no_grad():
+        expected = model(x)
+        unprobed = kinds(torch.jit.trace(model, x))
+    outputs, graphs = [], []
+
+    @torch.no_grad()
+    def trace_and_call():
+        traced = torch.jit.trace(model, x)
+        graphs.append(kinds(traced))
+        outputs.append(traced(x))
+
+    root = dump(tmp_path, config(task="statistics"), trace_and_call)
+    assert graphs == [unprobed] and torch.equal(outputs[0], expected)
+    status = json.loads(next((root / "status").glob("*.json")).read_text())
+    assert status["last_error"] is None
+    # Two rounds: the check's eager run of the model, dumped, then the traced module's call,
+    # whose modules run inside TorchScript, unseen.
+    rounds = sorted(p.name for p in only_proc(root).iterdir())
+    assert (status["rounds_started"], status["rounds_empty"], rounds) == (2, 1, ["0"])
 
 
 BERT_COMPILED = """

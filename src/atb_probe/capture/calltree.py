@@ -227,9 +227,11 @@ class Engine:
                     self._main_root(rnd, module, args, kwargs, step.phase)
             # Once sleep is requested no new round starts, so the running ones drain and the
             # original __call__ goes back even while other threads keep calling the model.
-            # Inside a serving engine only its steps are rounds (capture/vllm.py).
+            # Inside a serving engine only its steps are rounds (capture/vllm.py). A call that
+            # `torch.jit.trace` records is no round: what the probe computes on the model's
+            # tensors would be recorded into the trace too.
             elif not (self.sleep_requested or self._steps_only() or _joined_mid_call() or
-                      torch.compiler.is_compiling()):
+                      torch.compiler.is_compiling() or torch._C._get_tracing_state()):
                 rnd = self.begin_round(module, args, kwargs)
                 owned = True
             if rnd is None:
