@@ -199,11 +199,10 @@ class Engine:
 
     def root_call(self, module, args, kwargs):
         if _DYNAMO in sys.modules and _in_compiled_region():
-            # Called from compiled code: `torch.compile` of a function that calls the model (a
-            # decoding step), or of its `__call__` (transformers' decoding with a static
-            # cache). The probe's own code must not be compiled, and a dumped round must run
-            # eagerly, which compiled code cannot switch to inside itself: the whole call runs
-            # with torch.compile off.
+            # Called from compiled code: `torch.compile(model.__call__)` made while the probe
+            # is awake (transformers compiles decoding with a static cache so). The probe's own
+            # code must not be compiled, and a dumped round must run eagerly, which compiled
+            # code cannot switch to inside itself: the whole call runs with torch.compile off.
             return sys.modules[_DYNAMO].disable(self._root_call)(module, args, kwargs)
         return self._root_call(module, args, kwargs)
 

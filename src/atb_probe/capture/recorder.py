@@ -204,7 +204,7 @@ class Recorder:
         if not (frame.dump or frame.layer.collect):
             return None
         record = OpRecord()
-        record.sums = _class_sums(type(uncompiled(module)))
+        record.sums = _class_sums(type(frame.wraps or module))
         pairs = bind_args(params, args, kwargs)
         # op_param.json (tensor tasks) and the structure files describe the arguments;
         # otherwise only the tensors matter.
