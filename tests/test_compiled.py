@@ -379,8 +379,8 @@ def test_a_model_whose_call_is_compiled_while_the_probe_is_awake(tmp_path):
     """`torch.compile(model.__call__)` (as transformers compiles decoding with a static cache
     on a GPU) compiled while the probe is awake: compiled code calls the probe's round, which
     used to stop the user's run (`set_stance` inside compiled code) and had torch.compile trace
-    the probe's own code. Every call is a round; the dumped one holds what the eager model
-    gives; the results are the model's."""
+    the probe's own code. Every call is a round; the dumped one runs eagerly and holds what
+    the eager model gives, the others run compiled; the results are the model's."""
     model = mlp()
     backend = CountingBackend()
     x = torch.randn(2, 4)
@@ -390,13 +390,19 @@ def test_a_model_whose_call_is_compiled_while_the_probe_is_awake(tmp_path):
                                lambda: model(x))) / "0"
     outputs = []
 
+    runs = []
+
     @torch.no_grad()
     def three_calls():
         compiled = torch.compile(model.__call__, backend=backend)
-        outputs.extend(compiled(x) for _ in range(3))
+        for _ in range(3):
+            before = backend.runs
+            outputs.append(compiled(x))
+            runs.append(backend.runs - before)
 
     root = dump(tmp_path / "compiled", config(task="statistics", exec_range="1,1"), three_calls)
     assert all(torch.equal(out, expected) for out in outputs)
+    assert runs[0] > 0 and runs[1] == 0 and runs[2] > 0  # only the dumped round ran eagerly
     status = json.loads(next((root / "status").glob("*.json")).read_text())
     assert (status["rounds_started"], status["rounds_dumped"], status["last_error"]) == \
         (3, 1, None)

@@ -199,19 +199,60 @@ class Engine:
 
     def root_call(self, module, args, kwargs):
         if _DYNAMO in sys.modules and _in_compiled_region():
-            # Called from compiled code: `torch.compile(model.__call__)` made while the probe
-            # is awake (transformers compiles decoding with a static cache so). The probe's own
-            # code must not be compiled, and a dumped round must run eagerly, which compiled
-            # code cannot switch to inside itself: the whole call runs with torch.compile off.
-            return sys.modules[_DYNAMO].disable(self._root_call)(module, args, kwargs)
-        return self._root_call(module, args, kwargs)
-
-    def _root_call(self, module, args, kwargs):
+            return self._root_call_in_compiled_code(module, args, kwargs)
         original = self.original_call
         if self._stands_for_function(module):
             return original(module, *args, **kwargs)  # no model's call: no round
+        frame, rnd, owned, as_op = self._open_root(module, args, kwargs)
+        stack = self.tls.stack
+        stack.append(frame)
+        try:
+            if rnd is not None and rnd.dumping and _FORCE_EAGER is not None and \
+                    _DYNAMO in sys.modules:
+                with _FORCE_EAGER("force_eager"):
+                    if as_op:
+                        return self.ops.child_call(frame, module, args, kwargs)
+                    return original(module, *args, **kwargs)
+            if as_op:
+                return self.ops.child_call(frame, module, args, kwargs)
+            return original(module, *args, **kwargs)
+        finally:
+            stack.pop()
+            if owned:
+                self.end_round(rnd)
+
+    def _root_call_in_compiled_code(self, module, args, kwargs):
+        """A root call made from compiled code: `torch.compile(model.__call__)` made while the
+        probe is awake (transformers compiles decoding with a static cache so). The probe's
+        own steps run with torch.compile off, so they are never compiled; a dumped round, which
+        compiled code cannot switch to eager inside itself, runs wholly with it off; any other
+        round calls the model from here, where torch.compile compiles it."""
+        off = sys.modules[_DYNAMO].disable
+        if off(self._stands_for_function)(module):
+            return self.original_call(module, *args, **kwargs)
+        frame, rnd, owned, as_op = off(self._open_root)(module, args, kwargs)
+        stack = self.tls.stack
+        off(stack.append)(frame)
+        try:
+            if rnd is not None and rnd.dumping:
+                return off(self._dumped_root_call)(frame, module, args, kwargs, as_op)
+            return self.original_call(module, *args, **kwargs)  # nothing below is seen
+        finally:
+            off(stack.pop)()
+            if owned:
+                off(self.end_round)(rnd)
+
+    def _dumped_root_call(self, frame: Frame, module, args, kwargs, as_op: bool):
+        """A dumped round's root call with torch.compile off (see above)."""
+        with _FORCE_EAGER("force_eager"):
+            if as_op:
+                return self.ops.child_call(frame, module, args, kwargs)
+            return self.original_call(module, *args, **kwargs)
+
+    def _open_root(self, module, args, kwargs):
+        """A root call begins: its round (a new one, the engine step's, or none), the frame
+        it pushes, whether it owns the round (ends it) and whether it is a layer-level op."""
         tls = self.tls
-        stack = tls.stack
         step = tls.step
         rnd = None
         owned = False   # this call started its round, so it ends it
@@ -245,21 +286,7 @@ class Engine:
         except Exception as exc:
             self.source.report(exc)
             frame = _UNSEEN_FRAME
-        stack.append(frame)
-        try:
-            if rnd is not None and rnd.dumping and _FORCE_EAGER is not None and \
-                    _DYNAMO in sys.modules:
-                with _FORCE_EAGER("force_eager"):
-                    if as_op:
-                        return self.ops.child_call(frame, module, args, kwargs)
-                    return original(module, *args, **kwargs)
-            if as_op:
-                return self.ops.child_call(frame, module, args, kwargs)
-            return original(module, *args, **kwargs)
-        finally:
-            stack.pop()
-            if owned:
-                self.end_round(rnd)
+        return frame, rnd, owned, as_op
 
     def _stands_for_function(self, module) -> bool:
         """Whether `module` is a plain function's stand-in (`models.is_function_adapter`)."""
