@@ -209,10 +209,7 @@ class Engine:
         try:
             if rnd is not None and rnd.dumping and _FORCE_EAGER is not None and \
                     _DYNAMO in sys.modules:
-                with _FORCE_EAGER("force_eager"):
-                    if as_op:
-                        return self.ops.child_call(frame, module, args, kwargs)
-                    return original(module, *args, **kwargs)
+                return self._dumped_root_call(frame, module, args, kwargs, as_op)
             if as_op:
                 return self.ops.child_call(frame, module, args, kwargs)
             return original(module, *args, **kwargs)
@@ -243,7 +240,8 @@ class Engine:
                 off(self.end_round)(rnd)
 
     def _dumped_root_call(self, frame: Frame, module, args, kwargs, as_op: bool):
-        """A dumped round's root call with torch.compile off (see above)."""
+        """A dumped round's root call where torch.compile has been used: compiled code runs
+        eagerly in it."""
         with _FORCE_EAGER("force_eager"):
             if as_op:
                 return self.ops.child_call(frame, module, args, kwargs)
@@ -277,9 +275,8 @@ class Engine:
             if rnd is None:
                 frame = _UNSEEN_FRAME
             else:
-                inner = uncompiled(module)
                 frame = Frame(_CONTAINER if rnd.dumping else _UNSEEN,
-                              inner if inner is not module else None)
+                              self.models.info(module).wraps)
                 rnd.roots += 1
                 if rnd.dumping:
                     as_op = self._root_is_op(rnd, module)
