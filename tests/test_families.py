@@ -133,6 +133,26 @@ def test_speech_encoder_decoder_layers_in_both_stacks(tmp_path):
         "Linear_5@proj_out"]
 
 
+def test_speech_encoder_with_a_weight_normed_convolution(tmp_path):
+    """Wav2Vec2's positional convolution is weight-normed (`torch.nn.utils.parametrize`): its
+    module is an op as any other (test_parametrized.py)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+    torch.manual_seed(0)
+    model = Wav2Vec2Model(Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2)).eval()
+    with torch.no_grad():
+        root = _statistics_dump(tmp_path, lambda: model(torch.randn(1, 400)))
+    assert _layer_ops(_model_files(root)["Wav2Vec2Model_Forward"]) == [
+        "Wav2Vec2GroupNormConvLayer_0@feature_extractor.conv_layers.0",
+        "Wav2Vec2NoLayerNormConvLayer_1@feature_extractor.conv_layers.1",
+        "Wav2Vec2FeatureProjection_2@feature_projection",
+        "Wav2Vec2PositionalConvEmbedding_3@encoder.pos_conv_embed",
+        "LayerNorm_4@encoder.layer_norm", "Dropout_5@encoder.dropout",
+        "Wav2Vec2EncoderLayer_6@encoder.layers.0", "Wav2Vec2EncoderLayer_7@encoder.layers.1"]
+
+
 def test_vision_language_layers_of_both_towers_in_execution_order(tmp_path):
     model = tiny_llava()
     ids = torch.tensor([[1, 70, 70, 70, 70, 5, 6]])

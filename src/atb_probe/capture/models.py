@@ -1,9 +1,11 @@
 """What the call tree needs to know about modules and models, decided once per module.
 
 A module's name, forward signature, whether it holds block lists and whether it is an element
-of one (`ModuleInfo`), and each root module instance's name and module paths (`Model`), kept
-with weak references so a round pays a dictionary lookup per module call, not a walk of the
-model. `phase_of` tells a root call's phase from its cache argument.
+of one (`ModuleInfo`), each as the model's code declares it (a `torch.compile` wrapper and the
+class `torch.nn.utils.parametrize` swaps in are looked through), and each root module
+instance's name and module paths (`Model`), kept with weak references so a round pays a
+dictionary lookup per module call, not a walk of the model. `phase_of` tells a root call's
+phase from its cache argument.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..naming import sanitize
 from ..rounds import Phase
@@ -22,7 +25,9 @@ from .tokens import ModelPrompts
 class ModuleInfo:
     """What the probe needs to know about one module, computed once. A `torch.compile`
     wrapper is described as the module it wraps (`wraps`): the two are one op, named as in
-    the eager model, whose call is the wrapper's (its hooks run)."""
+    the eager model, whose call is the wrapper's (its hooks run). A parametrized module (new
+    style weight norm) is named by its own class (`module_class`), and what computes its
+    parametrized tensors is no block list (`model_modules`)."""
 
     __slots__ = ("name", "params", "holds_blocks", "element", "stands_for_function", "wraps",
                  "__weakref__")
@@ -30,13 +35,13 @@ class ModuleInfo:
     def __init__(self, module: nn.Module):
         inner = uncompiled(module)
         self.wraps = inner if inner is not module else None
-        cls = type(inner)
+        cls = module_class(inner)
         self.name = sanitize(cls.__name__)
         # Called like the function it wraps, and taken for that call: no op of its own.
         self.stands_for_function = is_function_adapter(cls)
         self.params = forward_params(cls)
         # A block list itself, or one anywhere below: a container unless it is an element.
-        self.holds_blocks = any(is_block_list(m) for m in inner.modules())
+        self.holds_blocks = any(is_block_list(m) for m in model_modules(inner))
         self.element = False  # an element of a block list: set when its model is first seen
 
     @property
@@ -58,10 +63,34 @@ def is_function_adapter(cls: type) -> bool:
 
 def is_block_list(module: nn.Module) -> bool:
     """The model's repeated blocks: an `nn.ModuleList` of one or more modules (a one-layer
-    draft model still has its layer list) or an `nn.Sequential` of two or more."""
+    draft model still has its layer list) or an `nn.Sequential` of two or more. (Not the list
+    of a parametrized tensor's parametrizations: see `model_modules`.)"""
     if isinstance(module, nn.ModuleList):
-        return len(module) >= 1
+        return len(module) >= 1 and not isinstance(module, parametrize.ParametrizationList)
     return isinstance(module, nn.Sequential) and len(module) >= 2
+
+
+def module_class(module: nn.Module) -> type:
+    """The class of `module` as the model's code made it. `torch.nn.utils.parametrize` (new
+    style weight norm, spectral norm, orthogonal) gives a module whose tensor it parametrizes a
+    class of its own, `Parametrized<Class>`: the module is still a `<Class>`, named as it is
+    without the parametrization (an implementation that removed the weight norm, or applied
+    the old hook-based one, names it so)."""
+    return parametrize.type_before_parametrizations(module)
+
+
+def model_modules(module: nn.Module):
+    """`module` and every module below it, except what computes a parametrized tensor: the
+    `parametrizations` of a parametrized module (each a `ParametrizationList`, an
+    `nn.ModuleList`) compute a weight when it is read, and are not the model's blocks."""
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        yield m
+        skip = m._modules.get("parametrizations")
+        if skip is not None and not parametrize.is_parametrized(m):
+            skip = None  # a module of the model's own under that name
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None and c is not skip)
 
 
 class Model:
@@ -139,7 +168,7 @@ class ModelCatalog:
     def _new_model(self, root, key: nn.Module) -> Model:
         """(Holding `_lock`.) Name a new root (`key`: the module it is, compiled or not) and
         mark the elements of its block lists."""
-        cls = sanitize(type(key).__name__)
+        cls = sanitize(module_class(key).__name__)
         count = self._model_counts.get(cls, 0)
         self._model_counts[cls] = count + 1
         model = Model(cls if count == 0 else f"{cls}_{count}", not self._models, root)

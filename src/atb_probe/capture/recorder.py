@@ -37,7 +37,7 @@ from ..statcsv import (DERIVED_FILE_NAME, FILE_NAME as CSV_FILE, HEADER, REQUEST
                        REQUEST_HEADER, shape_cell, side_rows, tensor_path_cell)
 from ..tokens import TokenLayout
 from .arguments import bind_args, kernel_tensors
-from .models import uncompiled
+from .models import module_class, uncompiled
 from .requests import RequestSlices
 from .stats_reuse import Queue, StatsCache
 from .sums import sum_index, sums_of
@@ -250,6 +250,7 @@ class Recorder:
         doc = self._static.get(module)
         if doc is None:
             key, module = module, uncompiled(module)
+            cls = module_class(module)
             shapes, dtype, lazy = {}, None, False
             for i, (name, p) in enumerate(module.named_parameters()):
                 if i >= MAX_PARAM_SHAPES:
@@ -264,8 +265,7 @@ class Recorder:
                 extra = module.extra_repr()
             except Exception:
                 extra = ""
-            doc = {"type": type(module).__name__,
-                   "class": f"{type(module).__module__}.{type(module).__qualname__}",
+            doc = {"type": cls.__name__, "class": f"{cls.__module__}.{cls.__qualname__}",
                    "extra_repr": extra, "dtype": dtype, "parameters": shapes}
             if not lazy:  # kept once its shapes are known
                 self._static[key] = doc
