@@ -124,3 +124,90 @@ def test_without_weights_or_kernels_replay_says_none_were_dumped(target):
 def test_weights_for_a_kernel_are_refused(target, checkpoint):
     out = replay(target, "9_9", "--weights", checkpoint)
     assert out.returncode == 2 and "--weights replays a module op" in out.stderr
+
+
+# -- torch modules built from what extra_repr says without names -------------------------------
+
+BLOCKS = """
+import torch
+from torch import nn
+
+
+class Scaled(nn.Module):
+    def __init__(self, size, act="tanh", bias=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
+        self.act = act
+
+    def forward(self, x):
+        y = getattr(torch, self.act)(x.transpose(1, 2) * self.weight)
+        return (y if self.bias is None else y + self.bias).transpose(1, 2)
+
+    def extra_repr(self):  # says neither bias=False nor act as a value
+        return f"{self.weight.shape[0]}" + (
+            f", act={getattr(torch, self.act)}" if self.act != "tanh" else "")
+"""
+
+CNN = """
+import torch
+from torch import nn
+from safetensors.torch import save_file
+from replayblocks import Scaled
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1, padding_mode="reflect"), nn.GroupNorm(2, 8),
+                      nn.Conv1d(8, 8, 3, bias=False), Scaled(8, act="sigmoid"),
+                      Scaled(8, bias=False)).eval()
+embedding = nn.Embedding(10, 4)
+save_file(model.state_dict(), {weights!r})
+save_file(embedding.state_dict(), {weights!r}.replace("clean", "embedding"))
+with torch.no_grad():
+    model[2].weight.mul_(1.01)
+    model(torch.randn(1, 4, 16))                     # round 0
+    embedding(torch.tensor([[1, 2, 3]]))             # round 1: a model of its own
+print("OK")
+"""
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("cnn")
+    (tmp / "replayblocks.py").write_text(BLOCKS)
+    weights = tmp / "clean.safetensors"
+    result = run_loaded(tmp, CNN.format(weights=str(weights)),
+                        config(task="tensor", save_child=False))
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+    return tmp, weights
+
+
+@pytest.mark.parametrize("op, verdict", [
+    ("0_Conv1d", "within its dtype"),    # `4, 8, kernel_size=(3,), ..., padding_mode=reflect`
+    ("1_GroupNorm", "within its dtype"),  # `2, 8, eps=1e-05, affine=True`
+    ("2_Conv1d", "introduced here"),     # `..., bias=False`, and its weight 1% larger
+])
+def test_torch_modules_built_from_their_unnamed_settings(cnn, op, verdict, tmp_path):
+    target, weights = cnn
+    out = replay(target, op, "--weights", weights, "--json", tmp_path / "r.json")
+    found = record(out, tmp_path / "r.json")
+    assert found["verdict"] == verdict, found
+
+
+def test_an_embedding_is_built_from_its_sizes(cnn, tmp_path):
+    target, weights = cnn
+    out = replay(target, "0_Embedding", "--round", "1", "--weights",
+                 weights.with_name("embedding.safetensors"), "--json", tmp_path / "r.json")
+    assert record(out, tmp_path / "r.json")["verdict"] == "within its dtype"
+
+
+@pytest.mark.parametrize("op, missing", [
+    ("3_Scaled", "needs `act`, which extra_repr gives as <built-in method sigmoid"),
+    ("4_Scaled", "Scaled(size=8) built here has bias, which the dump does not list"),
+])
+def test_a_module_whose_settings_the_dump_does_not_give_is_not_guessed(cnn, op, missing,
+                                                                      tmp_path):
+    target, weights = cnn
+    out = cli("replay", target, op, "--weights", weights, "--json", tmp_path / "r.json",
+              cwd=target)  # where replayblocks is
+    found = record(out, tmp_path / "r.json")
+    assert (found["verdict"], found["reason"]) == ("not replayed", "argument not recorded")
+    assert missing in found["detail"], found["detail"]

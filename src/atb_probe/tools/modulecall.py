@@ -12,7 +12,10 @@ The constructor's arguments are filled so: `config` from the weights folder's co
 the model's config the dump records in info/model), with the attention implementation
 transformers chooses for a model built from it (the dump does not record another choice),
 `layer_idx` from the module path's last index (`model.layers.1` -> 1), others from `extra_repr`
-(`in_features=32, out_features=64`), the rest left to their defaults.
+(`in_features=32, out_features=64`; its leading values without a name are the first
+positional parameters, as torch writes them: `Embedding`'s `64, 32`, `Conv1d`'s `4, 8,
+kernel_size=(3,)`, `LayerNorm`'s `(32,), eps=1e-05`), the rest left to their defaults. A module
+built so must have the parameter shapes the dump records.
 """
 from __future__ import annotations
 
@@ -159,12 +162,14 @@ def build_module(param: ModuleParam, weights: str, recorded_config: dict | None
                  ) -> torch.nn.Module:
     """The module, built and loaded with the weights, in its recorded dtype, on the CPU."""
     cls = import_class(param.cls)
-    settings = _extra_repr(param.extra_repr)
+    settings, leading = _extra_repr(param.extra_repr)
     kwargs = {}
     config = None
-    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+    for i, p in enumerate(list(inspect.signature(cls.__init__).parameters.values())[1:]):
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
+        if i < len(leading) and p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in settings:
+            settings[p.name] = leading[i]
         if p.name == "config":
             config = config or model_config(weights, recorded_config)
             if config is None:
@@ -175,6 +180,10 @@ def build_module(param: ModuleParam, weights: str, recorded_config: dict | None
         elif p.name in _LAYER_INDEX and param.module_path.rsplit(".", 1)[-1].isdigit():
             kwargs[p.name] = int(param.module_path.rsplit(".", 1)[-1])
         elif p.name in settings:
+            if isinstance(settings[p.name], Unreadable):
+                raise CannotReplay(SkipReason.ARGUMENT, f"building {cls.__name__} needs "
+                                   f"`{p.name}`, which extra_repr gives as "
+                                   f"{settings[p.name].text[:60]}, not a value")
             kwargs[p.name] = settings[p.name]
         elif p.default is p.empty:
             raise CannotReplay(SkipReason.ARGUMENT, f"building {cls.__name__} needs `{p.name}`, "
@@ -190,6 +199,17 @@ def build_module(param: ModuleParam, weights: str, recorded_config: dict | None
     if strange:
         raise CannotReplay(SkipReason.ARGUMENT, f"{cls.__name__} built here has no parameter "
                            f"{', '.join(strange[:5])}: it was built otherwise in the dump")
+    unloaded = [n for n in own if n not in state]
+    if unloaded:
+        raise CannotReplay(SkipReason.ARGUMENT, f"{cls.__name__}({_listed(kwargs)}) built here "
+                           f"has {', '.join(unloaded[:5])}, which the dump does not list: it "
+                           "was built otherwise in the dump")
+    shaped = [n for n in state if own[n].shape != state[n].shape]
+    if shaped:
+        name = shaped[0]
+        raise CannotReplay(SkipReason.ARGUMENT, f"{cls.__name__}({_listed(kwargs)}) built here "
+                           f"has {name} of shape {list(own[name].shape)}, the dump "
+                           f"{list(state[name].shape)}: it was built otherwise in the dump")
     with torch.no_grad():
         for name, value in state.items():
             own[name].copy_(value)
@@ -199,18 +219,40 @@ def build_module(param: ModuleParam, weights: str, recorded_config: dict | None
     return module.eval()
 
 
-def _extra_repr(text: str) -> dict:
-    """The `name=value` settings of an `extra_repr` whose values are Python literals."""
-    settings = {}
-    for part in re.split(r",\s*(?=\w+=)", text):
+def _extra_repr(text: str) -> tuple[dict, list]:
+    """The `name=value` settings of an `extra_repr` whose values are Python literals, and the
+    literal values it begins with before any name (none unless every one of them is one)."""
+    settings, leading = {}, []
+    parts = re.split(r",\s*(?=\w+=)", text)
+    if parts and not re.match(r"\s*\w+=", parts[0]):
+        try:
+            head = ast.literal_eval(f"({parts.pop(0).strip()},)") if parts[0].strip() else ()
+            leading = list(head)
+        except (ValueError, SyntaxError):
+            pass
+    for part in parts:
         name, sep, value = part.partition("=")
         if not sep:
             continue
+        value = value.strip()
         try:
-            settings[name.strip()] = ast.literal_eval(value.strip())
+            settings[name.strip()] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            continue
-    return settings
+            # A string written without quotes (Conv's `padding_mode=reflect`), else unreadable:
+            # a setting the module was built with cannot be left to its default.
+            settings[name.strip()] = value if value.isidentifier() else Unreadable(value)
+    return settings, leading
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """An `extra_repr` value that is no Python literal (`<function gelu at 0x...>`)."""
+
+    text: str
+
+
+def _listed(kwargs: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "config")
 
 
 def call_arguments(module: torch.nn.Module, param: ModuleParam, inputs: dict[str, torch.Tensor]
