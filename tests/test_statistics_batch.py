@@ -145,6 +145,25 @@ def _check_shuffled_batch(tensors: list, seed: int) -> None:
         assert _same(stats_of(cell), _numpy_one(t)), (t.dtype, tuple(t.shape))
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_half_precision_tensors_converted_together_get_their_own_statistics(seed):
+    """Dense bfloat16, float16 and bool tensors of a batch are converted to float32 in one
+    concatenation per dtype (`_convert_together`): each still gets its own formula's values,
+    whatever its layout, offset, lazy negation or grad; gapped ones and large ones go their
+    own ways in the same batch."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(40, 24, generator=g) * 10 ** seed
+    tensors = []
+    for dtype in (torch.bfloat16, torch.float16):
+        b = base.to(dtype)
+        tensors += [b, b.t(), b[:, ::2], b[3:17], b.view(-1)[5:300], torch._neg_view(b), b[0],
+                    b[1:2].clone().requires_grad_(), torch.randn(1, 1, 1024, generator=g).to(dtype),
+                    torch.tensor([-0.0, 0.0, float("nan")], dtype=dtype),
+                    torch.randn(statistics.SCRATCH_FROM + 5, generator=g).to(dtype)]
+    tensors += [base > 0, (base > 0).t(), torch.tensor([True]), torch.tensor([False, False])]
+    _check_shuffled_batch(tensors, seed)
+
+
 def test_small_tensors_batched_together_keep_signed_zeros_and_nan():
     tensors = [torch.tensor([0.0, -0.0]), torch.tensor([-0.0, 0.0]), torch.tensor([-0.0]),
                torch.tensor([float("nan"), 1.0]), torch.tensor([2.0, float("nan")]),

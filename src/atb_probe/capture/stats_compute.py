@@ -23,7 +23,9 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
   while another thread runs Python (the writer formatting rows, the user's own threads) costs
   up to the interpreter's switch interval, 5 ms, each time (`_square_sum`). Three or more
   small tensors of one dtype and size in a batch (a decode step's activations) are measured
-  as the rows of one 2-D array, each row giving what it gives alone (`_rows`).
+  as the rows of one 2-D array, each row giving what it gives alone (`_rows`). The dense
+  bfloat16, float16 and bool tensors of a batch are converted to float32 in one concatenation
+  per dtype (`_convert_together`): the values each is measured over are the same.
 * Accelerator tensors are reduced on their device, the sum and the sum of squares accumulated
   in float64 (more exact than float32 and beyond its range, so no overflow fallback and no
   second pass: a small decode step on a GPU is bound by kernel launches, so the device path
@@ -70,6 +72,7 @@ def compute(tensors: list, cells: list, device: DeviceStatistics) -> None:
         fill(cells[0], _one_quiet(a))
         return
     arrays, host_cells, on_device = [], [], {}
+    converted = None  # dtype -> [(index in arrays, values)]: converted together
     with np.errstate(all="ignore"):
         for t, cell in zip(tensors, cells):
             if t.is_cpu:
@@ -78,16 +81,45 @@ def compute(tensors: list, cells: list, device: DeviceStatistics) -> None:
                     if a is not None:  # measured now: the next one takes the same memory
                         fill(cell, _one(a))
                         continue
-                x = prepare(t)
-                arrays.append(x.numpy().reshape(-1) if x.is_contiguous() else
-                              dense_flat(x).numpy())
+                x = _values(t)
+                if x.dtype in _TO_FLOAT32 and (x.is_contiguous() or is_dense(x)):
+                    if converted is None:
+                        converted = {}
+                    converted.setdefault(x.dtype, []).append((len(arrays), x))
+                    arrays.append(None)
+                else:
+                    x = _as_float(x)
+                    arrays.append(x.numpy().reshape(-1) if x.is_contiguous() else
+                                  dense_flat(x).numpy())
                 host_cells.append(cell)
             else:
                 on_device.setdefault(t.device, []).append((t, cell))
+        if converted:
+            for group in converted.values():
+                _convert_together(group, arrays)
         if arrays:
             _host(arrays, host_cells)
     for items in on_device.values():
         device.gather([t for t, _ in items], [c for _, c in items])
+
+
+def _convert_together(group: list, arrays: list) -> None:
+    """Put in `arrays[i]` the float32 values (a flat numpy array, in storage order) of each
+    dense host tensor `x` of `group`'s (i, x), all of one dtype: one concatenation and one
+    conversion for the lot, where a conversion each costs a few microseconds of dispatch per
+    tensor (a decode step's bfloat16 activations). The values are those `prepare` gives each
+    alone, in the same order, so their statistics are too."""
+    if len(group) == 1:
+        i, x = group[0]
+        arrays[i] = dense_flat(x.to(torch.float32)).numpy()
+        return
+    flats = [dense_flat(x) for _, x in group]
+    joined = torch.cat(flats).to(torch.float32).numpy()
+    start = 0
+    for (i, _), flat in zip(group, flats):
+        stop = start + flat.numel()
+        arrays[i] = joined[start:stop]
+        start = stop
 
 
 def compute_runs(entries: list, tensors: list = (), cells: list = ()) -> tuple[list, list]:
@@ -204,7 +236,11 @@ SEGMENT_ELEMENTS = 1 << 22
 def prepare(t: torch.Tensor) -> torch.Tensor:
     """`t` as the float32 or float64 tensor its statistics are computed over: its `_values`
     in float32 (floating point and bool) or float64 (double and integers)."""
-    x = _values(t)
+    return _as_float(_values(t))
+
+
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    """`prepare` of values `_values` gave."""
     if x.dtype is not torch.float32 and x.dtype is not torch.float64:
         x = x.to(torch.float32 if x.is_floating_point() or x.dtype is torch.bool
                  else torch.float64)
