@@ -513,20 +513,21 @@ def _nice_from_env() -> int:
         return WRITER_NICE
 
 
-def yields() -> bool:
+def yields(nice: int | None = None) -> bool:
     """Whether the writer thread yields the cores here: on Linux, where a thread has a nice value
-    of its own, unless `ATB_PROBE_WRITER_NICE` is 0 or less (a thread that does not yield is
-    never handed over)."""
-    return sys.platform.startswith("linux") and _nice_from_env() > 0
+    of its own, unless `ATB_PROBE_WRITER_NICE` (or `nice`, read from it) is 0 or less (a thread
+    that does not yield is never handed over)."""
+    return sys.platform.startswith("linux") and \
+        (_nice_from_env() if nice is None else nice) > 0
 
 
 def yield_the_cores() -> None:
     """Give the calling thread the CPU priority `ATB_PROBE_WRITER_NICE` says (default 19, the
     lowest; 0 leaves it as the process's, as does any value not above the thread's own).
     Lowering one needs privileges and is never asked for."""
-    if not yields():
-        return  # elsewhere PRIO_PROCESS with a thread ID would renice the whole process
     nice = _nice_from_env()
+    if not yields(nice):
+        return  # elsewhere PRIO_PROCESS with a thread ID would renice the whole process
     try:
         tid = threading.get_native_id()
         if nice > os.getpriority(os.PRIO_PROCESS, tid):
