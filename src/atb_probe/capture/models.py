@@ -87,10 +87,8 @@ def model_modules(module: nn.Module):
     while stack:
         m = stack.pop()
         yield m
-        skip = m._modules.get("parametrizations")
-        if skip is not None and not parametrize.is_parametrized(m):
-            skip = None  # a module of the model's own under that name
-        stack.extend(c for c in reversed(m._modules.values()) if c is not None and c is not skip)
+        stack.extend(child for name, child in m.named_children()
+                     if name != "parametrizations" or not parametrize.is_parametrized(m))
 
 
 class Model:
