@@ -76,7 +76,13 @@ def module_class(module: nn.Module) -> type:
     class of its own, `Parametrized<Class>`: the module is still a `<Class>`, named as it is
     without the parametrization (an implementation that removed the weight norm, or applied
     the old hook-based one, names it so)."""
-    return parametrize.type_before_parametrizations(module)
+    cls = type(module)
+    if not cls.__name__.startswith("Parametrized"):
+        return cls  # (no attribute asked of a module whose `__getattr__` is its own)
+    try:
+        return parametrize.type_before_parametrizations(module)
+    except Exception:
+        return cls
 
 
 def model_modules(module: nn.Module):
