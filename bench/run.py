@@ -31,6 +31,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 from cases import BY_NAME, CASES, RSS_GOAL_MIB  # noqa: E402
+from disk import disk_file_us, disk_note  # noqa: E402
 import workload as workloads  # noqa: E402
 
 DEFAULT_PAIRS = 5
@@ -286,39 +287,6 @@ def _find_msprobe(choice: str) -> tuple[str | None, str]:
                   "skipped")
 
 
-def disk_file_us(root: str, folders: int = 16) -> int | None:
-    """Median microseconds to make a folder and write a 5 KB file in it under `root`: what a
-    dumped round's first file costs the writer on that disk. One disk can give several times
-    more on some days than on others (the 2-vCPU VM's: ~700 us in a /tmp that 27 GB of earlier
-    runs had filled, 80-100 us once they were removed), and every statistics case writes two
-    such files a round, so the number is kept beside the results."""
-    data = b"x" * 5000
-    times = []
-    try:
-        probe = tempfile.mkdtemp(prefix="disk-", dir=root)
-    except OSError:
-        return None
-    try:
-        for i in range(folders):
-            start = time.perf_counter()
-            folder = os.path.join(probe, str(i))
-            os.mkdir(folder)
-            with open(os.path.join(folder, "file"), "wb") as f:
-                f.write(data)
-            times.append(time.perf_counter() - start)
-    except OSError:
-        return None
-    finally:
-        shutil.rmtree(probe, ignore_errors=True)
-    return round(sorted(times)[len(times) // 2] * 1e6)
-
-
-def _disk_note(us: int | None) -> str:
-    if us is None:
-        return "the work folder's file cost was not measured"
-    return f"a new folder with a 5 KB file took {us} µs in the work folder"
-
-
 def _machine(args) -> dict:
     info = {"platform": platform.platform(), "cores": os.cpu_count(), "cpu": platform.machine(),
             "python": platform.python_version(), "load_before": _loadavg()}
@@ -372,7 +340,7 @@ def render(name: str, wl: dict, meta: dict) -> str:
         f"{' (--quick)' if meta['quick'] else ''}. Machine: {meta.get('cpu', '?')}, "
         f"{meta.get('cores', '?')} cores, {meta.get('memory_gib', '?')} GiB, "
         f"{meta['platform']}; load average before {meta['load_before']}; "
-        f"{_disk_note(meta.get('disk_file_us'))}. "
+        f"{disk_note(meta.get('disk_file_us'))}. "
         f"Python {versions.get('python', '?')}, torch {versions.get('torch', '?')}, "
         f"transformers {versions.get('transformers', '?')}; atb-probe commit "
         f"{meta.get('commit', '?')}.",

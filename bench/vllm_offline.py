@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from disk import disk_file_us, disk_note
+
 CASES = ("unprobed", "sleeping", "stat-layer")
 PROMPTS = 8
 TOKENS = 32
@@ -132,6 +134,7 @@ def main() -> None:
             from atb_probe.tools.demo_model import save_llama
             args.model = str(save_llama(work / "model", layers=4, hidden=256, vocab=1024,
                                         intermediate=1024))
+        disk_us = disk_file_us(str(work))  # each dumped step writes a folder and four files
         ratios: dict[str, list[float]] = {c: [] for c in CASES[1:]}
         same_engine: list[float] = []
         base: list[float] = []
@@ -149,7 +152,7 @@ def main() -> None:
     mode = "compiled" if args.compiled else "enforce_eager"
     model = "the small workload's Llama" if args.model.startswith(tmp) else args.model
     print(f"vLLM offline, {PROMPTS} prompts x {TOKENS} tokens, {model}, {mode}, "
-          f"{args.pairs} pairs x {args.repeats} generations\n")
+          f"{args.pairs} pairs x {args.repeats} generations; {disk_note(disk_us)}\n")
     print("| case | ratio to un-probed (pair range) |\n| --- | --- |")
     print(f"| unprobed | 1.00 ({statistics.median(base) * 1000:.0f} ms a generation) |")
     for case, values in ratios.items():
