@@ -141,12 +141,15 @@ def _timed(fn) -> tuple[float, float, float | None, object, _GcClock]:
 
 
 def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = False,
-             repeat: int = 1) -> dict:
+             repeat: int = 1, attach: str = "each") -> dict:
     """Measure `case` on workload `spec` in this process; a JSON-ready dict.
 
     With `repeat` > 1 each side of a pair is run that many times (alternating) and the pair
     keeps the fastest run of each side: a pair is then clean as soon as one run of each side
-    escaped the other jobs on the machine."""
+    escaped the other jobs on the machine. With `attach` "once", atb-probe is enabled before
+    the warm-up run and disabled after the last pair, as a service keeps it: every probed run
+    after the first is a later generation of one attachment, its dump kept in one folder
+    until the case ends (a run's bytes and files are what it added)."""
     torch.set_num_threads(threads)
     os.makedirs(work_dir, exist_ok=True)
     wl = Workload(spec)
@@ -156,8 +159,17 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
     runner.setup(wl, work_dir)
 
     counter = iter(range(10 ** 6))
+    once = attach == "once" and case.tool == "atb-probe"
+    attached = os.path.join(work_dir, "attached")
+    module_call = torch.nn.Module.__call__  # torch's own, before the probe wraps it
+    if once:
+        t0 = time.perf_counter()
+        runner.start(wl, attached)
+        attach_s = time.perf_counter() - t0
 
     def probed_once(last: bool) -> dict:
+        if once:
+            return attached_run()
         run_dir = os.path.join(work_dir, f"run{next(counter)}")
         t0 = time.perf_counter()
         runner.start(wl, run_dir)
@@ -180,8 +192,32 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
             remove(dump_dir)
         return rec
 
+    def without_probe():
+        """An un-probed run while the attachment is kept: the model called through torch's
+        own `Module.__call__` (the probe sees nothing of it), the probe's put back after."""
+        wrapped = torch.nn.Module.__call__
+        torch.nn.Module.__call__ = module_call
+        try:
+            wl.run()
+        finally:
+            torch.nn.Module.__call__ = wrapped
+
+    def attached_run() -> dict:
+        """A probed run of the attachment kept (`attach` "once"): a generation and a flush."""
+        before = {rel for rel, _ in scan(attached)[1]}
+        wall, cpu, peak, _, clock = _timed(lambda: runner.run(wl, attached))
+        files = [(rel, size) for rel, size in scan(attached)[1] if rel not in before]
+        rec = {"s": wall, "cpu_s": cpu, "peak_mib": peak, "bytes": sum(s for _, s in files),
+               "files": len(files), "start_s": 0.0, "finish_s": 0.0, "gc_s": clock.seconds,
+               "full_gcs": clock.full}
+        if case.plain_baseline:
+            plain_dir = os.path.join(work_dir, "plain")
+            rec["plain_s"] = plain_write(files, plain_dir)
+            remove(plain_dir)
+        return rec
+
     def unprobed_once() -> dict:
-        wall, cpu, peak, _, clock = _timed(wl.run)
+        wall, cpu, peak, _, clock = _timed(without_probe if once else wl.run)
         return {"s": wall, "cpu_s": cpu, "peak_mib": peak, "gc_s": clock.seconds,
                 "full_gcs": clock.full}
 
@@ -208,6 +244,13 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
             rec["runs"] = {"unprobed": [r["s"] for r in uns], "probed": [r["s"] for r in prs]}
         records.append(rec)
 
+    if once:
+        t0 = time.perf_counter()
+        runner.finish()
+        attach_s += time.perf_counter() - t0
+        if not keep:
+            remove(attached)
+
     ratios = [r["probed"]["s"] / r["unprobed"]["s"] for r in records]
     cpu_ratios = [r["probed"]["cpu_s"] / max(r["unprobed"]["cpu_s"], 1e-9) for r in records]
     result = {
@@ -224,8 +267,9 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
         "unprobed_s": statistics.median(r["unprobed"]["s"] for r in records),
         "probed_s": statistics.median(r["probed"]["s"] for r in records),
         "pristine_s": statistics.median(pristine),
-        "start_finish_s": statistics.median(r["probed"]["start_s"] + r["probed"]["finish_s"]
-                                            for r in records),
+        "attach": "once" if once else "each",
+        "start_finish_s": attach_s if once else statistics.median(
+            r["probed"]["start_s"] + r["probed"]["finish_s"] for r in records),
         "bytes": statistics.median(r["probed"]["bytes"] for r in records),
         "files": statistics.median(r["probed"]["files"] for r in records),
         "process_peak_mib": process_peak_mib(),

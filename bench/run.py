@@ -97,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="collect (default): a full garbage collection before each timed run; "
                         "steady: none, as in a service, so the collections a tool causes fall "
                         "inside the runs")
+    p.add_argument("--attach", choices=("each", "once"), default="each",
+                   help="each (default): atb-probe is enabled before every probed run and "
+                        "disabled after it, so each run pays the first generation after "
+                        "enable; once: enabled once per case and kept, as a service keeps it "
+                        "(msprobe's hooks stay registered either way)")
     p.add_argument("--out", default="",
                    help="keep the last dump of each case and the logs here "
                         "(default: a temporary folder, deleted at the end)")
@@ -130,7 +135,7 @@ def _run_one(args) -> int:
     pairs = args.pairs or (QUICK_PAIRS if args.quick else DEFAULT_PAIRS)
     measure.GC_MODE = args.gc
     result = measure.run_case(case, spec, pairs, args.threads, args.work, keep=args.keep,
-                              repeat=args.repeat)
+                              repeat=args.repeat, attach=args.attach)
     result["case"] = args.case
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
@@ -168,7 +173,7 @@ def _orchestrate(args) -> int:
     meta = _machine(args)
     meta["disk_file_us"] = disk_file_us(root)
     meta.update(pairs=pairs, repeat=args.repeat, threads=args.threads, quick=args.quick,
-                gc=args.gc, msprobe=ms_note,
+                gc=args.gc, attach=args.attach, msprobe=ms_note,
                 started=datetime.datetime.now().isoformat(timespec="seconds"))
     doc = {"meta": meta, "workloads": {}}
     failed = False
@@ -229,7 +234,7 @@ def _spawn(args, key: str, workload: str, pairs: int, python: str, root: str) ->
     log_path = result_path[:-5] + ".log"
     cmd = [python, os.path.abspath(__file__), "--case", key, "--workload", workload,
            "--pairs", str(pairs), "--repeat", str(args.repeat), "--threads", str(args.threads),
-           "--gc", args.gc, "--work", work,
+           "--gc", args.gc, "--attach", args.attach, "--work", work,
            "--json", result_path]
     if args.quick:
         cmd.append("--quick")
@@ -336,7 +341,8 @@ def render(name: str, wl: dict, meta: dict) -> str:
         f"### Workload `{name}`: {wl['describe']}",
         "",
         f"{meta['threads']} threads; median of {meta['pairs']} paired runs"
-        f"{repeat_note}; garbage collector: {_GC_NOTE[meta.get('gc', 'collect')]}"
+        f"{repeat_note}; garbage collector: {_GC_NOTE[meta.get('gc', 'collect')]}; "
+        f"{_ATTACH_NOTE[meta.get('attach', 'each')]}"
         f"{' (--quick)' if meta['quick'] else ''}. Machine: {meta.get('cpu', '?')}, "
         f"{meta.get('cores', '?')} cores, {meta.get('memory_gib', '?')} GiB, "
         f"{meta['platform']}; load average before {meta['load_before']}; "
@@ -408,6 +414,8 @@ def render(name: str, wl: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+_ATTACH_NOTE = {"each": "atb-probe enabled before each probed run",
+                "once": "atb-probe enabled once per case (`--attach once`), as in a service"}
 _GC_NOTE = {"collect": "a full collection before each timed run",
             "steady": "no collection between runs (`--gc steady`), as in a service"}
 
