@@ -168,8 +168,11 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
         attach_s = time.perf_counter() - t0
 
     def probed_once(last: bool) -> dict:
-        if once:
-            return attached_run()
+        if once:  # a later generation of the attachment kept: what it added to the dump
+            before = {rel for rel, _ in scan(attached)[1]}
+            wall, cpu, peak, _, clock = _timed(lambda: runner.run(wl, attached))
+            files = [(rel, size) for rel, size in scan(attached)[1] if rel not in before]
+            return probed_record(wall, cpu, peak, clock, files, 0.0, 0.0)
         run_dir = os.path.join(work_dir, f"run{next(counter)}")
         t0 = time.perf_counter()
         runner.start(wl, run_dir)
@@ -180,16 +183,21 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
             t0 = time.perf_counter()
             runner.finish()
             finish_s = time.perf_counter() - t0
-        nbytes, files = scan(dump_dir)
-        rec = {"s": wall, "cpu_s": cpu, "peak_mib": peak, "bytes": nbytes, "files": len(files),
-               "start_s": start_s, "finish_s": finish_s, "gc_s": clock.seconds,
-               "full_gcs": clock.full}
+        rec = probed_record(wall, cpu, peak, clock, scan(dump_dir)[1], start_s, finish_s)
+        if not (keep and last):
+            remove(dump_dir)
+        return rec
+
+    def probed_record(wall, cpu, peak, clock, files: list, start_s: float,
+                      finish_s: float) -> dict:
+        """A probed run's record; for tensor cases, with the plain write of its `files`."""
+        rec = {"s": wall, "cpu_s": cpu, "peak_mib": peak, "bytes": sum(s for _, s in files),
+               "files": len(files), "start_s": start_s, "finish_s": finish_s,
+               "gc_s": clock.seconds, "full_gcs": clock.full}
         if case.plain_baseline:
             plain_dir = os.path.join(work_dir, "plain")
             rec["plain_s"] = plain_write(files, plain_dir)
             remove(plain_dir)
-        if not (keep and last):
-            remove(dump_dir)
         return rec
 
     def without_probe():
@@ -201,20 +209,6 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
             wl.run()
         finally:
             torch.nn.Module.__call__ = wrapped
-
-    def attached_run() -> dict:
-        """A probed run of the attachment kept (`attach` "once"): a generation and a flush."""
-        before = {rel for rel, _ in scan(attached)[1]}
-        wall, cpu, peak, _, clock = _timed(lambda: runner.run(wl, attached))
-        files = [(rel, size) for rel, size in scan(attached)[1] if rel not in before]
-        rec = {"s": wall, "cpu_s": cpu, "peak_mib": peak, "bytes": sum(s for _, s in files),
-               "files": len(files), "start_s": 0.0, "finish_s": 0.0, "gc_s": clock.seconds,
-               "full_gcs": clock.full}
-        if case.plain_baseline:
-            plain_dir = os.path.join(work_dir, "plain")
-            rec["plain_s"] = plain_write(files, plain_dir)
-            remove(plain_dir)
-        return rec
 
     def unprobed_once() -> dict:
         wall, cpu, peak, _, clock = _timed(without_probe if once else wl.run)
