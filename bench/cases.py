@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 
 # A complete config.json (no missing-key warnings); cases override some keys.
@@ -114,10 +115,13 @@ BY_NAME = {c.name: c for c in CASES}
 #
 # A probed run is `start()` (not timed: attaching the tool), `run()` (timed: the generation and
 # everything needed to have its data on disk) and `finish()` (not timed: detaching). The untimed
-# parts are measured too and reported apart.
+# parts are measured too and reported apart. After `run()`, a runner's `after_s` is how much of
+# it came after the generation: waiting for the data to reach the disk.
 
 class NoProbeRunner:
     """The un-probed model on both sides of a pair."""
+
+    after_s = 0.0
 
     def setup(self, workload, work_dir: str) -> None:
         pass
@@ -139,6 +143,7 @@ class AtbProbeRunner:
 
     def __init__(self, config: dict):
         self.config = config
+        self.after_s = 0.0
 
     def setup(self, workload, work_dir: str) -> None:
         import atb_probe  # noqa: F401  (imported before the first timed run)
@@ -150,11 +155,13 @@ class AtbProbeRunner:
     def run(self, workload, run_dir: str) -> str:
         import atb_probe
         workload.run()
+        generated = time.perf_counter()
         writer = getattr(atb_probe.active(), "writer", None)
         if writer is None or not hasattr(writer, "flush"):
             self.finish()  # no writer to wait for: disabling flushes
         elif not writer.flush(3600):
             raise RuntimeError("atb-probe did not finish writing within an hour")
+        self.after_s = time.perf_counter() - generated
         return run_dir
 
     def finish(self) -> None:
@@ -172,6 +179,7 @@ class MsprobeRunner:
         self.config = config
         self.debugger = None
         self.dump_path = ""
+        self.after_s = 0.0
 
     def setup(self, workload, work_dir: str) -> None:
         from msprobe.pytorch import PrecisionDebugger
@@ -194,8 +202,10 @@ class MsprobeRunner:
         try:
             workload.run()
         finally:
+            generated = time.perf_counter()
             self.debugger.stop()
             self.debugger.step()
+            self.after_s = time.perf_counter() - generated
         return self.dump_path
 
     def finish(self) -> None:
