@@ -8,10 +8,10 @@ A probed run is timed from the start of the generation to the moment its data is
 atb-probe a flush of the writer queue; for msprobe `stop()` and `step()`, which write
 synchronously), so background writing is never hidden; the part of it after the generation
 (that wait) is recorded too, and `gen_ratio` leaves it out: the generation's own slowdown, which
-is what a service pays when the next request starts before the disk has the data. Attaching and detaching the tool
-(`enable`/`disable`, msprobe's `start`) happen outside the timing and are reported apart. The
-dump is then scanned (bytes, files) and deleted, and the file system is synced, outside the
-timed region.
+is what a service pays when the next request starts before the disk has the data. Attaching
+and detaching the tool (`enable`/`disable`, msprobe's `start`) happen outside the timing and
+are reported apart. The dump is then scanned (bytes, files) and deleted, and the file system is
+synced, outside the timed region.
 
 Garbage collection: by default (`gc_mode="collect"`) a full collection runs before each timed
 run, so every run starts from the same collector state. A long-running service never does that:
