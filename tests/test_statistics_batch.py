@@ -474,6 +474,52 @@ def test_a_gathered_tensor_seen_again_in_its_thread_is_not_copied_again():
         stats_reuse.compute = original
 
 
+def test_a_kernel_output_is_found_by_the_next_ops_and_kept_only_while_referenced():
+    """A kernel output over fresh memory waits in its layer execution's queue, which hands its
+    cell to the next ops that take it; when the queue resolves, the statistics cache keeps
+    what something else still refers to (the layer's output) for later layer executions, and
+    nothing of the outputs that died with the queue."""
+    from atb_probe.capture.stats_reuse import StatsCache
+    cache = StatsCache()
+    queue = cache.new_queue()
+    x = torch.randn(100)
+    _, seen = cache.side(queue, [x], remember_inputs=True)
+    (dead_cell,), _ = cache.side(queue, [x + 1], kernel_output=True, inputs_seen=seen)
+    out = x * 2
+    (cell,), _ = cache.side(queue, [out], kernel_output=True, inputs_seen=seen)
+    assert dead_cell is not cell
+    (again,), _ = cache.side(queue, [out])
+    assert again is cell and cell[-1] == QUEUED
+    queue.resolve()
+    assert _same(stats_of(cell), _numpy_one(out))
+    assert _same(stats_of(dead_cell), _numpy_one(x + 1))
+    (later,), _ = cache.side(cache.new_queue(), [out])
+    assert later is cell
+    # x (an input) and out, each by identity and by memory: nothing of the dead `x + 1`
+    assert (len(cache._seen), len(cache._entries)) == (2, 2)
+
+
+def test_a_held_kernel_output_written_since_gets_new_statistics():
+    """A held output changed in place, or given other memory through `.data`, is not taken
+    for the values its cell holds."""
+    from atb_probe.capture.stats_reuse import StatsCache
+    cache = StatsCache()
+    queue = cache.new_queue()
+    x = torch.randn(50)
+    _, seen = cache.side(queue, [x], remember_inputs=True)
+    out = x * 2
+    (cell,), _ = cache.side(queue, [out], kernel_output=True, inputs_seen=seen)
+    out.mul_(3.0)
+    (written,), _ = cache.side(queue, [out])
+    other = x * 2
+    (moved_cell,), _ = cache.side(queue, [other], kernel_output=True, inputs_seen=seen)
+    other.data = torch.randn(50)
+    (moved,), _ = cache.side(queue, [other])
+    queue.resolve()
+    assert written is not cell and _same(stats_of(written), _numpy_one(out))
+    assert moved is not moved_cell and _same(stats_of(moved), _numpy_one(other))
+
+
 def test_a_buffer_that_cannot_be_reduced_loses_its_statistics_not_the_round(monkeypatch, capfd):
     """A device error while a thread's buffers are reduced (`flush`, as its rows go to the
     writer) is said once on stderr; the flush returns, its cells stay without values (the rows

@@ -18,6 +18,16 @@ Before any memory key is computed, a tensor is looked up by identity: the same o
 same version, over the same data pointer as when its cell was handed out (the next kernel's
 input is most often the previous kernel's output object).
 
+A kernel output over fresh memory goes into no cache when it is made: its queue, which keeps
+it alive until it resolves anyway, holds it (`Queue.held`) and hands its cell to the next ops
+of the layer execution that take that object, checked the same way. When the queue resolves,
+an output that something else still refers to (the layer's output, a tensor a KV cache keeps)
+is kept in the cache as below; the others, most of a layer's intermediate tensors, die with
+the queue and cost the cache nothing. The reference count tells which is which, and it may
+err either way (a reference that only C++ holds, an interpreter that counts its own
+differently): a tensor kept for nothing is swept out later, and one left out is measured again
+when it is seen next, never taken for another.
+
 A cached value is keyed by that memory (`tensors.storage_key`, plus shape and strides for a
 view with gaps) and by the value of the version counter, and is used only for a tensor owned
 by the very tensor it was computed from (itself, or its view base) while that one is alive:
@@ -56,6 +66,7 @@ import itertools
 import os
 import threading
 import weakref
+from sys import getrefcount
 
 import torch
 from torch import nn
@@ -184,19 +195,28 @@ class Queue:
     """Tensors of one thread's layer-level op execution whose statistics are pending, and
     their cells (see the module docstring)."""
 
-    __slots__ = ("tensors", "cells", "runs", "nbytes", "serial", "device")
+    __slots__ = ("tensors", "cells", "runs", "nbytes", "serial", "device", "held", "cache")
 
-    def __init__(self, device: DeviceStatistics):
+    def __init__(self, device: DeviceStatistics, cache: StatsCache):
         self.device = device  # where accelerator tensors are reduced
         self.tensors: list = []
         self.cells: list = []
         self.runs: list = []  # (host tensor, runs, cells, one after another): `fresh_runs`
         self.nbytes = 0       # bytes of the tensors kept alive for it
         self.serial = new_serial()  # what its cells say they wait in
+        # id(t) -> (t, its version, cell, its data pointer): kernel outputs over fresh memory
+        # waiting in `tensors`, whose cells go to the next ops that take them, until the queue
+        # resolves (`StatsCache._output`).
+        self.held: dict = {}
+        self.cache = cache    # where `held` outputs still referred to go when it resolves
 
     def resolve(self) -> None:
         """Compute every queued statistic (one batch) and let go of the tensors. A tensor
-        measured whole and by runs (a request's tokens) is converted once for both."""
+        measured whole and by runs (a request's tokens) is converted once for both. The
+        outputs held here that something else still refers to go to the cache first."""
+        if self.held:
+            held, self.held = self.held, {}
+            self.cache._keep_held(held)
         tensors, cells, runs = self.tensors, self.cells, self.runs
         if not (tensors or runs):
             return
@@ -233,7 +253,7 @@ class StatsCache:
 
     def new_queue(self) -> Queue:
         """An empty queue for the statistics of one layer-level op execution."""
-        return Queue(self.device)
+        return Queue(self.device, self)
 
     def clear(self) -> None:
         with self._lock:
@@ -267,9 +287,16 @@ class StatsCache:
             return cells, None
         cells = []
         seen_get = self._seen.get
+        held_get = queue.held.get
         for t in tensors:
-            # The identity check of `_lookup`, inline: most inputs of an op are the tensors
-            # of the op before (the hidden state, position embeddings, weights).
+            # Most inputs of an op are the outputs of the kernels before it in the same layer
+            # execution, held by the queue (`_output`).
+            held = held_get(id(t))
+            if held is not None and held[1] == _version(t) and held[3] == t.data_ptr():
+                cells.append(held[2])
+                continue
+            # The identity check of `_lookup`, inline: the hidden state, position embeddings,
+            # weights.
             seen = seen_get(id(t))
             if seen is not None and seen[0]() is t and seen[3] == t.data_ptr() and \
                     seen[1] == _version(t) and (len(seen) == 4 or _valid(seen)):
@@ -315,22 +342,32 @@ class StatsCache:
 
     def _output(self, t, queue: Queue, inputs_seen, view: bool):
         """The cell of a kernel output: that of an input over the same memory (a view
-        kernel), else a new one, kept for later (by identity only where it shares an input's
-        storage: `_remember_output`). `view`: the kernel returns aliases of its inputs."""
-        key = memory_key(t)
-        if inputs_seen is None or key is None:  # an in-place kernel, or no key: not kept
+        kernel), else a new one. An output over an input's storage is remembered by identity
+        (`_remember_output`); one over fresh memory is held by the queue (`Queue.held`), which
+        keeps it alive until it resolves anyway, for the next ops that take this very object,
+        and goes to the cache then only if anything else still refers to it (`_keep_held`):
+        most outputs of a layer execution are dead by then, and never looked up again. `view`:
+        the kernel returns aliases of its inputs."""
+        if inputs_seen is None:  # an in-place kernel: not kept
             return self._new(t, queue)
+        try:
+            address = t.untyped_storage().data_ptr()
+        except Exception:  # subclasses, tensors without storage: not kept
+            return self._new(t, queue)
+        key = _NO_KEY
         shared = None
         for it, cell in zip(*inputs_seen):
             try:
-                address = it.untyped_storage().data_ptr()
+                if it.untyped_storage().data_ptr() != address:
+                    continue
             except Exception:  # subclasses, tensors without storage
                 continue
-            if address == key[2]:
-                if cell is not EMPTY and memory_key(it) == key:
-                    self._remember_output(t, cell, it, view)
-                    return cell
-                shared = it
+            if key is _NO_KEY:
+                key = memory_key(t)
+            if cell is not EMPTY and key is not None and memory_key(it) == key:
+                self._remember_output(t, cell, it, view)
+                return cell
+            shared = it
         cell = self._new(t, queue)
         if cell is EMPTY:
             return cell
@@ -340,8 +377,17 @@ class StatsCache:
             # Fresh memory: its version counter is its own for good.
             version = _version(t)
             if version is not None:
-                self._keep(t, cell, key, version)
+                queue.held[id(t)] = (t, version, cell, t.data_ptr())
         return cell
+
+    def _keep_held(self, held: dict) -> None:
+        """A queue resolves: the outputs it held that something else refers to (a layer's
+        output, a cache's tensor) are kept for later lookups, by memory key and identity as
+        `_keep` keeps them; the others die once the queue lets go of them."""
+        for entry in held.values():
+            t = entry[0]
+            if getrefcount(t) > _HELD_REFS:
+                self._keep(t, entry[2], memory_key(t), entry[1])
 
     def _remember_output(self, t, cell, source, view: bool) -> None:
         """Remember, by identity only, the cell of a kernel output over the memory of its input
@@ -438,6 +484,12 @@ class StatsCache:
         if len(seen) >= self._seen_limit:
             self._seen_limit = _sweep(seen, _stale_seen)
         seen[id(t)] = entry
+
+
+# What `StatsCache._keep_held` counts of a held tensor's references before anything else's: the
+# queue's `tensors` list, its entry in `Queue.held`, a local variable and `getrefcount`'s
+# argument.
+_HELD_REFS = 4
 
 
 def _sweep(entries: dict, stale) -> int:
