@@ -46,9 +46,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cases import BY_NAME
+from measure import module_call_of_torch
 from workload import Workload, spec
 
 VARIANTS = ("mode", "refs", "stats", "grouped", "rows", "atb-track", "atb-probe")
+ATB_CASES = {"atb-track": "track-only", "atb-probe": "stat-child"}  # bench/cases.py's
 GROUP_BELOW = 4096
 
 
@@ -197,40 +200,29 @@ def _floor(workload: Workload, variant: str, pairs: int) -> tuple[list, list, li
     return a_s, b_s, floor.measured
 
 
-def _atb_probe(workload: Workload, pairs: int, track_only: bool) -> tuple[list, list, list]:
-    import atb_probe
+def _atb_probe(workload: Workload, pairs: int, case_name: str) -> tuple[list, list, list]:
+    """atb-probe's bench case `case_name`, attached once (`run.py --attach once`)."""
+    runner = BY_NAME[case_name].runner()
     module_call = torch.nn.Module.__call__  # torch's own, before the probe wraps it
     out = tempfile.mkdtemp(prefix="kernel_floor_")
-    config = {"task": "statistics", "dump_enable": True, "exec_range": "all", "ids": "",
-              "op_name": "", "save_child": True, "device": "", "filter_level": 1}
-    if track_only:  # as bench/cases.py's track-only
-        config.update(op_name="no_such_op", save_child=False)
 
     def plain():
-        wrapped = torch.nn.Module.__call__
-        torch.nn.Module.__call__ = module_call
-        try:
+        with module_call_of_torch(module_call):
             workload.run()
-        finally:
-            torch.nn.Module.__call__ = wrapped
 
-    def probed():
-        workload.run()
-        if not atb_probe.active().writer.flush(3600):
-            raise RuntimeError("atb-probe did not finish writing within an hour")
-
-    atb_probe.enable(out, config)
+    runner.setup(workload, out)
+    runner.start(workload, out)
     try:
-        a_s, b_s = _pairs(plain, probed, pairs)
+        a_s, b_s = _pairs(plain, lambda: runner.run(workload, out), pairs)
     finally:
-        atb_probe.disable(timeout=3600)
+        runner.finish()
         shutil.rmtree(out, ignore_errors=True)
     return a_s, b_s, []
 
 
 def measure(workload: Workload, variant: str, pairs: int) -> dict:
-    if variant.startswith("atb-"):
-        a_s, b_s, measured = _atb_probe(workload, pairs, track_only=variant == "atb-track")
+    if variant in ATB_CASES:
+        a_s, b_s, measured = _atb_probe(workload, pairs, ATB_CASES[variant])
     else:
         a_s, b_s, measured = _floor(workload, variant, pairs)
     ratios = [b / a for a, b in zip(a_s, b_s)]

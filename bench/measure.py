@@ -30,6 +30,7 @@ import shutil
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -142,6 +143,19 @@ def _timed(fn) -> tuple[float, float, float | None, object, _GcClock]:
     return wall, cpu, (peak_mib() if has_peak else None), result, clock
 
 
+@contextmanager
+def module_call_of_torch(module_call):
+    """Inside, `nn.Module.__call__` is `module_call` (torch's own, taken before a probe wrapped
+    it): the model runs un-probed while an attachment is kept, which sees nothing of it. The
+    probe's wrapper is put back after."""
+    wrapped = torch.nn.Module.__call__
+    torch.nn.Module.__call__ = module_call
+    try:
+        yield
+    finally:
+        torch.nn.Module.__call__ = wrapped
+
+
 def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = False,
              repeat: int = 1, attach: str = "each") -> dict:
     """Measure `case` on workload `spec` in this process; a JSON-ready dict.
@@ -204,14 +218,9 @@ def run_case(case, spec, pairs: int, threads: int, work_dir: str, keep: bool = F
         return rec
 
     def without_probe():
-        """An un-probed run while the attachment is kept: the model called through torch's
-        own `Module.__call__` (the probe sees nothing of it), the probe's put back after."""
-        wrapped = torch.nn.Module.__call__
-        torch.nn.Module.__call__ = module_call
-        try:
+        """An un-probed run while the attachment is kept."""
+        with module_call_of_torch(module_call):
             wl.run()
-        finally:
-            torch.nn.Module.__call__ = wrapped
 
     def unprobed_once() -> dict:
         wall, cpu, peak, _, clock = _timed(without_probe if once else wl.run)
