@@ -499,6 +499,36 @@ def test_a_kernel_output_is_found_by_the_next_ops_and_kept_only_while_referenced
     assert (len(cache._seen), len(cache._entries)) == (2, 2)
 
 
+def test_a_statistics_dumps_view_output_is_held_with_its_row_and_kept_only_while_referenced():
+    """A view kernel's output in a statistics dump (given its row's cells) is held by the
+    queue like an output over fresh memory: the next ops that take it get its input's cell
+    and its row's cells from the entry; when the queue resolves, the view that something else
+    still refers to is remembered by identity for later layer executions, and nothing of the
+    one that died with the queue. A tensor dump's view (no row) is remembered at once."""
+    from atb_probe.capture.stats_reuse import StatsCache
+    cache = StatsCache()
+    queue = cache.new_queue()
+    x = torch.randn(4, 25)
+    (x_cell,), seen = cache.side(queue, [x], remember_inputs=True)
+    kept = x.view(100)
+    assert cache.output_cell(kept, queue, seen, True, ("float32", "100")) is x_cell
+    assert cache.output_cell(x.view(2, 50), queue, seen, True, ("float32", "2x50")) is x_cell
+    entry = queue.held[id(kept)]
+    assert entry[2] is x_cell and entry[4:6] == ("float32", "100")
+    (again,), _ = cache.side(queue, [kept])
+    assert again is x_cell
+    assert len(cache._seen) == 1  # x alone: the views wait in the queue
+    queue.resolve()
+    assert _same(stats_of(x_cell), _numpy_one(x))
+    assert set(cache._seen) == {id(x), id(kept)}
+    (later,), _ = cache.side(cache.new_queue(), [kept])
+    assert later is x_cell
+    tensor_dump = cache.new_queue()
+    transposed = x.t()
+    assert cache.output_cell(transposed, tensor_dump, seen, True) is x_cell
+    assert id(transposed) in cache._seen and not tensor_dump.held
+
+
 def test_a_held_kernel_output_written_since_gets_new_statistics():
     """A held output changed in place, or given other memory through `.data`, is not taken
     for the values its cell holds."""

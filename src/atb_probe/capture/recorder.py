@@ -39,7 +39,7 @@ from ..tokens import TokenLayout
 from .arguments import bind_args, kernel_tensors
 from .models import module_class, uncompiled
 from .requests import RequestSlices
-from .stats_reuse import Queue, StatsCache
+from .stats_reuse import Queue, StatsCache, version_of
 from .sums import sum_index, sums_of
 from .structure import RoundStructure, StructureFiles
 from .tensors import (DUMPABLE_DTYPES, dumpable_dtype, flatten, host_bytes, local_of,
@@ -502,40 +502,47 @@ class Recorder:
 
         `names`: the kernel's (Op Name, Op Type, Op Id); `kernel`: its `kernels.Kernel`;
         `inputs_seen`: for its outputs, what its inputs left. Returns that, for its inputs."""
-        dumpable, dtypes, indexes = [], [], []
-        for i, t in enumerate(tensors):
-            cls = type(t)
-            if cls is torch.Tensor and t.layout is _STRIDED and not t.is_meta and \
-                    not t.is_nested:  # `dumpable_dtype` of a plain tensor, inline
-                dt = DUMPABLE_DTYPES.get(t.dtype)
-            else:
-                if cls is not torch.Tensor and cls is not torch.nn.Parameter:
-                    t, _ = local_of(t)
-                dt = dumpable_dtype(t)
-            if dt is None:
-                _skipped_in(t, names[0])
-                continue
-            dumpable.append(t)
-            dtypes.append(dt)
-            indexes.append(i)
         # A factory's outputs are not kept for later: their statistics are computed now, in a
         # queue of their own (see `Kernel.factory`).
         at_once = side == OUTPUT and kernel.factory
         queue = self.stats.new_queue() if at_once else self._queue(layer)
+        rows = []
         if side == INPUT:
-            stats, inputs_seen = self.stats.side(queue, dumpable,
-                                                 remember_inputs=not kernel.written)
+            # Most inputs are outputs of the kernels before, held by the queue with their
+            # row's cells (`StatsCache.output_cell`): one lookup makes their row.
+            held_get = queue.held.get
+            input_cell = self.stats.input_cell
+            dumpable, cells = [], []
+            for i, t in enumerate(tensors):
+                held = held_get(id(t))
+                if held is not None and held[4] is not None and \
+                        held[1] == version_of(t) and held[3] == t.data_ptr():
+                    cell = held[2]
+                    rows += (_INDEX[i] if i < 64 else str(i), held[4], held[5], cell, None)
+                else:
+                    t, dt = _dumpable(t, names[0])
+                    if dt is None:
+                        continue
+                    cell = input_cell(t, queue)
+                    rows += (_INDEX[i] if i < 64 else str(i), dt.csv_name,
+                             shape_cell(t.shape), cell, None)
+                dumpable.append(t)
+                cells.append(cell)
+            inputs_seen = None if kernel.written else (dumpable, cells)
         else:
-            stats, _ = self.stats.side(queue, dumpable, kernel_output=True,
-                                       inputs_seen=inputs_seen, view=kernel.view)
+            output_cell = self.stats.output_cell
+            view = kernel.view
+            for i, t in enumerate(tensors):
+                t, dt = _dumpable(t, names[0])
+                if dt is None:
+                    continue
+                row = (dt.csv_name, shape_cell(t.shape))
+                rows += (_INDEX[i] if i < 64 else str(i), *row,
+                         output_cell(t, queue, inputs_seen, view, row), None)
         # Deferred only where every in-place kernel is seen (see forget_written).
         if at_once or layer is None or not layer.deferred or queue.nbytes > MAX_PENDING_BYTES:
             queue.resolve()
-        if dumpable:
-            rows = []
-            for i, t, dt, st in zip(indexes, dumpable, dtypes, stats):
-                rows += (_INDEX[i] if i < 64 else str(i), dt.csv_name, shape_cell(t.shape), st,
-                         None)
+        if rows:
             round_record = rnd.record
             round_record.wrote = True
             side_record = (*round_record.head, *names, side, *rows)
@@ -784,6 +791,20 @@ def _uninitialized(layer, tensors: list, writes_args: bool) -> list[str]:
         if address in layer.uninit:
             names.append(layout.tensor_name(OUTPUT, i))
     return names
+
+
+def _dumpable(t, full_name: str) -> tuple:
+    """A kernel's tensor as its row records it (a subclass's local tensor) and its dtype's
+    table entry, None where it cannot be dumped (logged once)."""
+    if type(t) is torch.Tensor and t.layout is _STRIDED and not t.is_meta and not t.is_nested:
+        dt = DUMPABLE_DTYPES.get(t.dtype)  # `dumpable_dtype` of a plain tensor, inline
+    else:
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            t, _ = local_of(t)
+        dt = dumpable_dtype(t)
+    if dt is None:
+        _skipped_in(t, full_name)
+    return t, dt
 
 
 def _skipped(t, frame) -> None:

@@ -26,7 +26,12 @@ is kept in the cache as below; the others, most of a layer's intermediate tensor
 the queue and cost the cache nothing. The reference count tells which is which, and it may
 err either way (a reference that only C++ holds, an interpreter that counts its own
 differently): a tensor kept for nothing is swept out later, and one left out is measured again
-when it is seen next, never taken for another.
+when it is seen next, never taken for another. In a statistics dump the queue holds a view
+kernel's outputs too (`view`, `t`, `transpose`...: 40% of a decode step's kernel outputs), and
+an entry carries its row's Dtype and Shape cells, so the next op's row of that tensor is one
+lookup (`Recorder.kernel_side`). A tensor dump's views are remembered at once instead
+(`_remember_output`): holding one keeps it alive longer, and filter_level 1's references follow
+what is alive.
 
 A cached value is keyed by that memory (`tensors.storage_key`, plus shape and strides for a
 view with gaps) and by the value of the version counter, and is used only for a tensor owned
@@ -85,6 +90,7 @@ from .tensors import storage_key
 MIN_ENTRIES = 512
 MAX_ENTRIES = 1 << 16
 _NO_KEY = object()  # `_lookup` did not compute the memory key
+_NO_ROW = (None, None)  # a held output's row cells, where its kernel gave none
 
 
 def memory_key(t: torch.Tensor):
@@ -106,7 +112,7 @@ def _owner(t: torch.Tensor) -> torch.Tensor:
     return t if base is None else base
 
 
-def _version(t: torch.Tensor):
+def version_of(t: torch.Tensor):
     """What says `t`'s values changed: its version counter, with its owner's data epoch when
     that parameter's `.data` was taken (see the module docstring); None when there is none."""
     # Inference tensors (made under torch.inference_mode, as serving engines run) have no
@@ -204,22 +210,26 @@ class Queue:
         self.runs: list = []  # (host tensor, runs, cells, one after another): `fresh_runs`
         self.nbytes = 0       # bytes of the tensors kept alive for it
         self.serial = new_serial()  # what its cells say they wait in
-        # id(t) -> (t, its version, cell, its data pointer): kernel outputs over fresh memory
-        # waiting in `tensors`, whose cells go to the next ops that take them, until the queue
-        # resolves (`StatsCache._output`).
+        # id(t) -> (t, its version, cell, its data pointer, its row's Dtype and Shape cells or
+        # None, the input whose memory it views or None): kernel outputs whose cells go to the
+        # next ops that take them, until the queue resolves (`StatsCache.output_cell`).
         self.held: dict = {}
         self.cache = cache    # where `held` outputs still referred to go when it resolves
 
     def resolve(self) -> None:
         """Compute every queued statistic (one batch) and let go of the tensors. A tensor
-        measured whole and by runs (a request's tokens) is converted once for both. The
-        outputs held here that something else still refers to go to the cache first."""
-        if self.held:
-            held, self.held = self.held, {}
+        measured whole and by runs (a request's tokens) is converted once for both. Then the
+        outputs held here that something else still refers to go to the cache."""
+        held = self.held
+        if held:
+            self.held = {}
+        if self.tensors or self.runs:
+            self._compute()
+        if held:
             self.cache._keep_held(held)
+
+    def _compute(self) -> None:
         tensors, cells, runs = self.tensors, self.cells, self.runs
-        if not (tensors or runs):
-            return
         self.tensors, self.cells, self.runs, self.nbytes = [], [], [], 0
         if runs:
             tensors, cells = compute_runs(runs, tensors, cells)
@@ -265,7 +275,7 @@ class StatsCache:
         """`t` is about to be written by a kernel: what is kept for it at its present version is
         no longer its value. A kernel that bumps the version counter makes this moot; a
         collective (`c10d::allreduce_`, gloo or NCCL writing in place) does not bump it."""
-        key, version = memory_key(t), _version(t)
+        key, version = memory_key(t), version_of(t)
         with self._lock:
             self._seen.pop(id(t), None)
             if key is not None and version is not None:
@@ -283,39 +293,43 @@ class StatsCache:
         tensors leave for the outputs of the same kernel; `view`: the kernel returns aliases
         of its inputs (`kernels.Kernel.view`). Returns (cells, that or None)."""
         if kernel_output:
-            cells = [self._output(t, queue, inputs_seen, view) for t in tensors]
+            cells = [self.output_cell(t, queue, inputs_seen, view) for t in tensors]
             return cells, None
         cells = []
         seen_get = self._seen.get
         held_get = queue.held.get
         for t in tensors:
             # Most inputs of an op are the outputs of the kernels before it in the same layer
-            # execution, held by the queue (`_output`).
+            # execution, held by the queue (`output_cell`).
             held = held_get(id(t))
-            if held is not None and held[1] == _version(t) and held[3] == t.data_ptr():
+            if held is not None and held[1] == version_of(t) and held[3] == t.data_ptr():
                 cells.append(held[2])
                 continue
-            # The identity check of `_lookup`, inline: the hidden state, position embeddings,
-            # weights.
-            seen = seen_get(id(t))
-            if seen is not None and seen[0]() is t and seen[3] == t.data_ptr() and \
-                    seen[1] == _version(t) and (len(seen) == 4 or _valid(seen)):
-                cell = seen[2]
-                if cell[-1] != QUEUED or self._usable_here(cell, queue):
-                    cells.append(cell)
-                    continue
-            cell, key, version = self._lookup(t, queue)
-            if cell is None:
-                cell = self._new(t, queue)
-                if cell is not EMPTY and version is not None:
-                    self._keep(t, cell, memory_key(t) if key is _NO_KEY else key, version)
-            cells.append(cell)
+            cells.append(self.input_cell(t, queue, seen_get))
         return cells, ((tensors, cells) if remember_inputs else None)
+
+    def input_cell(self, t, queue: Queue, seen_get=None):
+        """The cell of `t`, an input of an op, not held by `queue` (`side`): an earlier result
+        found by identity or memory key, else a new one pending in `queue` and kept."""
+        # The identity check of `_lookup`, inline: the hidden state, position embeddings,
+        # weights.
+        seen = (seen_get or self._seen.get)(id(t))
+        if seen is not None and seen[0]() is t and seen[3] == t.data_ptr() and \
+                seen[1] == version_of(t) and (len(seen) == 4 or _valid(seen)):
+            cell = seen[2]
+            if cell[-1] != QUEUED or self._usable_here(cell, queue):
+                return cell
+        cell, key, version = self._lookup(t, queue)
+        if cell is None:
+            cell = self._new(t, queue)
+            if cell is not EMPTY and version is not None:
+                self._keep(t, cell, memory_key(t) if key is _NO_KEY else key, version)
+        return cell
 
     def _lookup(self, t, queue: Queue):
         """The cell of `t`'s values as they are, if known and usable here, else None; `t`'s
         memory key where it was computed on the way (else `_NO_KEY`); and its version."""
-        version = _version(t)
+        version = version_of(t)
         if version is None:
             return None, None, None  # nothing is kept for it either (`_keep`)
         key = _NO_KEY
@@ -340,14 +354,20 @@ class StatsCache:
         serial = waits_in(cell)
         return serial == queue.serial or serial == self.device.serial_here()
 
-    def _output(self, t, queue: Queue, inputs_seen, view: bool):
+    def output_cell(self, t, queue: Queue, inputs_seen, view: bool, row=_NO_ROW):
         """The cell of a kernel output: that of an input over the same memory (a view
-        kernel), else a new one. An output over an input's storage is remembered by identity
-        (`_remember_output`); one over fresh memory is held by the queue (`Queue.held`), which
-        keeps it alive until it resolves anyway, for the next ops that take this very object,
-        and goes to the cache then only if anything else still refers to it (`_keep_held`):
-        most outputs of a layer execution are dead by then, and never looked up again. `view`:
-        the kernel returns aliases of its inputs."""
+        kernel), else a new one. An output over fresh memory is held by the queue
+        (`Queue.held`), which keeps it alive until it resolves anyway, for the next ops that
+        take this very object, and goes to the cache then only if anything else still refers
+        to it (`_keep_held`): most outputs of a layer execution are dead by then, and never
+        looked up again. An output over an input's storage is remembered by identity
+        (`_remember_output`) at once, or, given its `row`, held as well and remembered only if
+        it outlives the queue. `view`: the kernel returns aliases of its inputs.
+
+        `row`: the (Dtype, Shape) cells of the output's statistic.csv row, held with it so
+        that an op taking it next makes its row from the entry (`Recorder.kernel_side`).
+        Only a statistics dump's kernels give it: a view held past its kernel lives longer,
+        and a tensor dump's references (filter_level 1) follow what lives."""
         if inputs_seen is None:  # an in-place kernel: not kept
             return self._new(t, queue)
         try:
@@ -355,39 +375,57 @@ class StatsCache:
         except Exception:  # subclasses, tensors without storage: not kept
             return self._new(t, queue)
         key = _NO_KEY
-        shared = None
-        for it, cell in zip(*inputs_seen):
+        shared = cell = None
+        for it, seen in zip(*inputs_seen):
             try:
                 if it.untyped_storage().data_ptr() != address:
                     continue
             except Exception:  # subclasses, tensors without storage
                 continue
+            shared = it
             if key is _NO_KEY:
                 key = memory_key(t)
-            if cell is not EMPTY and key is not None and memory_key(it) == key:
-                self._remember_output(t, cell, it, view)
+            if seen is not EMPTY and key is not None and memory_key(it) == key:
+                cell = seen
+                break
+        if cell is None:
+            cell = self._new(t, queue)
+            if cell is EMPTY:
                 return cell
-            shared = it
-        cell = self._new(t, queue)
-        if cell is EMPTY:
-            return cell
-        if shared is not None:
-            self._remember_output(t, cell, shared, view)
-        else:
+        if shared is None:
             # Fresh memory: its version counter is its own for good.
-            version = _version(t)
+            version = version_of(t)
             if version is not None:
-                queue.held[id(t)] = (t, version, cell, t.data_ptr())
+                queue.held[id(t)] = (t, version, cell, t.data_ptr(), *row, None)
+        elif view and row is not _NO_ROW:
+            # Its counter becomes its base's once the kernel returns (`_remember_output`).
+            version = version_of(_owner(shared))
+            if version is not None:
+                queue.held[id(t)] = (t, version, cell, t.data_ptr(), *row, shared)
+        else:
+            self._remember_output(t, cell, shared, view)
         return cell
 
     def _keep_held(self, held: dict) -> None:
-        """A queue resolves: the outputs it held that something else refers to (a layer's
+        """A queue resolved: the outputs it held that something else refers to (a layer's
         output, a cache's tensor) are kept for later lookups, by memory key and identity as
-        `_keep` keeps them; the others die once the queue lets go of them."""
+        `_keep` keeps them (a view by identity, as `_remember_output`); the others die once
+        the queue lets go of them. (A held view refers to the input it was made from: that
+        reference is not counted.)"""
+        sources = None
+        for entry in held.values():
+            if entry[6] is not None:
+                if sources is None:
+                    sources = {}
+                key = id(entry[6])
+                sources[key] = sources.get(key, 0) + 1
         for entry in held.values():
             t = entry[0]
-            if getrefcount(t) > _HELD_REFS:
-                self._keep(t, entry[2], memory_key(t), entry[1])
+            if getrefcount(t) > _HELD_REFS + (sources.get(id(t), 0) if sources else 0):
+                if entry[6] is None:
+                    self._keep(t, entry[2], memory_key(t), entry[1])
+                else:
+                    self._remember_output(t, entry[2], entry[6], True)
 
     def _remember_output(self, t, cell, source, view: bool) -> None:
         """Remember, by identity only, the cell of a kernel output over the memory of its input
@@ -402,11 +440,11 @@ class StatsCache:
         `source`'s owner and that one's version (`_valid`), so a view whose counter is never
         linked (made below autograd's view tracking) is not taken for unchanged either."""
         owner = _owner(source)
-        owner_version = _version(owner)
+        owner_version = version_of(owner)
         if owner_version is None:
             return  # inference tensors: no counters, nothing kept (as in `_keep`)
         try:
-            entry = (weakref.ref(t), owner_version if view else _version(t), cell, t.data_ptr(),
+            entry = (weakref.ref(t), owner_version if view else version_of(t), cell, t.data_ptr(),
                      weakref.ref(owner), owner_version)
         except (TypeError, RuntimeError):  # not weak-referenceable, no storage
             return
@@ -486,10 +524,10 @@ class StatsCache:
         seen[id(t)] = entry
 
 
-# What `StatsCache._keep_held` counts of a held tensor's references before anything else's: the
-# queue's `tensors` list, its entry in `Queue.held`, a local variable and `getrefcount`'s
-# argument.
-_HELD_REFS = 4
+# What `StatsCache._keep_held` counts of a held tensor's references before anything else's: its
+# entry in `Queue.held`, a local variable and `getrefcount`'s argument. (The queue's lists let go
+# of it first: `Queue.resolve`.)
+_HELD_REFS = 3
 
 
 def _sweep(entries: dict, stale) -> int:
@@ -507,17 +545,17 @@ def _valid(entry) -> bool:
     (`StatsCache._remember_output`): that input's owner is unchanged, or dead (then nothing
     but the output itself and its views can write that memory)."""
     owner = entry[4]()
-    return owner is None or _version(owner) == entry[5]
+    return owner is None or version_of(owner) == entry[5]
 
 
 def _stale_seen(key, entry) -> bool:
     """`_seen`: id -> (weak reference to the tensor, its version, cell, data pointer), plus
     (weak reference to an owner, its version) for `_remember_output`'s entries."""
     t = entry[0]()
-    return t is None or _version(t) != entry[1] or (len(entry) > 4 and not _valid(entry))
+    return t is None or version_of(t) != entry[1] or (len(entry) > 4 and not _valid(entry))
 
 
 def _stale_entry(key, entry) -> bool:
     """`_entries`: memory key + (version,) -> (weak reference to the owner, cell)."""
     owner = entry[0]()
-    return owner is None or _version(owner) != key[-1]
+    return owner is None or version_of(owner) != key[-1]
