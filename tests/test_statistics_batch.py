@@ -11,6 +11,9 @@ for bit; by segments, and against the host's float32 sums, the same to float32 r
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
 
@@ -62,14 +65,38 @@ def _numpy_one(t: torch.Tensor):
         a = x.as_strided((x.numel(),), (1,)).numpy()
     else:
         a = x.reshape(-1).numpy()
+    # Over more than SCRATCH_ELEMENTS elements measured in float32, the sum of squares is that
+    # of each part numpy's pairwise summation splits the array into (`_numpy_parts`), added
+    # exactly; the float64 sums of an overflow too.
+    parts = a.dtype == np.float32 and a.size > statistics.SCRATCH_ELEMENTS
     with np.errstate(all="ignore"):
         high, low = float(np.maximum.reduce(a)), float(np.minimum.reduce(a))
-        total, squares = float(np.add.reduce(a)), float(np.dot(a, a))
+        total, squares = float(np.add.reduce(a)), _squares(a, parts)
         if not (math.isfinite(total) and math.isfinite(squares)) and math.isfinite(high) \
                 and math.isfinite(low):
             a = a.astype(np.float64)
-            total, squares = float(np.add.reduce(a)), float(np.dot(a, a))
+            total, squares = float(np.add.reduce(a)), _squares(a, parts)
     return high, low, total / a.size, math.sqrt(squares)
+
+
+def _squares(a, parts: bool) -> float:
+    if not parts:
+        return float(np.dot(a, a))
+    try:
+        return math.fsum(float(np.dot(p, p))
+                         for p in _numpy_parts(a, statistics.PART_ELEMENTS))
+    except OverflowError:
+        return math.inf
+
+
+def _numpy_parts(a, most: int) -> list:
+    """The runs numpy's pairwise summation (`pairwise_sum` in its loops) splits `a` into, in
+    order, down to runs of at most `most` elements."""
+    if a.size <= most:
+        return [a]
+    half = a.size // 2
+    half -= half % 8
+    return _numpy_parts(a[:half], most) + _numpy_parts(a[half:], most)
 
 
 def _torch_one(t: torch.Tensor):
@@ -778,7 +805,7 @@ def _converted_tensors(seed: int) -> list[torch.Tensor]:
     return [bf16, base.half(), base > 0, bf16.t(), base.half()[:, ::2].t(),
             torch._neg_view(bf16), bf16.view(320, 256)[:200],
             (base * 1e20).to(torch.bfloat16),            # float32 sums overflow: float64 again
-            torch.randn(600, 600, generator=g).to(torch.bfloat16)]  # over SCRATCH_ELEMENTS
+            torch.randn(600, 600, generator=g).to(torch.bfloat16)]  # over it: in parts
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -796,6 +823,127 @@ def test_tensors_converted_in_the_scratch_get_the_per_tensor_formula_bit_for_bit
         compute([t], cells)
         assert _same(stats_of(cells[0]), _numpy_one(t)), (t.dtype, tuple(t.shape))
     _check_shuffled_batch(tensors + _tensors(seed), seed)  # converted ones among small ones
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 200_000), st.sampled_from([128, 136, 1000, 4096, 65536]),
+       st.sampled_from([np.float32, np.float64]), st.integers(-20, 20), st.booleans())
+def test_parts_are_summed_in_numpys_pairwise_order_bit_for_bit(size, most, dtype, scale, zeros):
+    """`_pairwise` joins the sums of its parts as numpy's `add.reduce` sums the whole array: the
+    Mean of a tensor measured a part at a time is the one measured whole."""
+    a = np.random.default_rng(size).standard_normal(size).astype(dtype) * dtype(2.0 ** scale)
+    if zeros:
+        a[::3] = -0.0
+
+    def part_sum(start, count):
+        return np.add.reduce(a[start:start + count], initial=-0.0)
+
+    got = dtype(0.0) + statistics._pairwise(0, size, part_sum, most)
+    assert repr(float(got)) == repr(float(np.add.reduce(a)))
+    zeros = np.full(size, -0.0, dtype)  # numpy's sum of zeros is +0.0
+    got = dtype(0.0) + statistics._pairwise(
+        0, size, lambda start, count: np.add.reduce(zeros[start:start + count], initial=-0.0),
+        most)
+    assert repr(float(got)) == repr(float(np.add.reduce(zeros))) == "0.0"
+
+
+def _over_the_scratch(seed: int) -> list[torch.Tensor]:
+    """Host tensors of more than 100,000 elements, in every layout and dtype `prepare` meets."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(600, 640, generator=g) * 10 ** float(torch.randint(-3, 4, (1,), generator=g))
+    bf16 = base.to(torch.bfloat16)
+    holes = base.clone()
+    holes[7, 9], holes[300, 1] = float("nan"), float("inf")
+    infinite = base.clone()
+    infinite[5, 5], infinite[500, 600] = float("inf"), float("-inf")
+    return [bf16, bf16.t(), base.half(), base > 0, base, base.t(), torch._neg_view(bf16),
+            bf16[:, ::3], base[:, ::3],                     # gaps: converted whole, then parts
+            bf16.view(-1)[1:300_001],                       # an offset into its memory
+            torch.nn.Parameter(bf16.float()), holes, infinite,
+            (base * 1e20).to(torch.bfloat16),               # float32 sums overflow: float64
+            torch.full((150_001,), 3e38), torch.zeros(200_000), -torch.zeros(200_000)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_tensor_over_the_scratch_is_measured_a_part_at_a_time(seed, monkeypatch):
+    """A tensor of more than SCRATCH_ELEMENTS elements is measured in parts of at most
+    PART_ELEMENTS, each converted into the thread's scratch memory: max, min and mean those of
+    the whole array bit for bit, the sum of squares that of each part's dot product, added
+    exactly, alone or in a batch, whatever its dtype and layout."""
+    monkeypatch.setattr(statistics, "SCRATCH_ELEMENTS", 100_000)
+    monkeypatch.setattr(statistics, "PART_ELEMENTS", 5_000)
+    tensors = _over_the_scratch(seed)
+    for t in tensors:
+        cells = _cells(1)
+        compute([t], cells)
+        assert _same(stats_of(cells[0]), _numpy_one(t)), (t.dtype, tuple(t.shape))
+    _check_shuffled_batch(tensors + _tensors(seed), seed)
+    bf16 = tensors[0]
+    cells = _cells(2)
+    compute([bf16, bf16.float()], cells)  # the same values in float32: the same numbers
+    assert _same(stats_of(cells[0]), stats_of(cells[1]))
+    a = bf16.double().reshape(-1).numpy()
+    assert math.isclose(stats_of(cells[0])[3], math.sqrt(float(a @ a)), rel_tol=1e-6)
+
+
+def test_a_tensor_over_the_scratch_is_measured_without_memory_of_its_size(tmp_path):
+    """A bfloat16 tensor four times the scratch (64 M elements, 128 MB) is measured without
+    converting it whole: the process's peak memory grows by far less than its 256 MB of
+    float32 (converting it whole took that much new memory, page by page)."""
+    script = tmp_path / "measure.py"
+    script.write_text(textwrap.dedent("""
+        import resource, sys
+        import torch
+        from atb_probe.capture.stats_compute import DeviceStatistics, compute
+        from atb_probe.stats_cell import new_cell, new_serial, values
+        t = torch.ones(64 << 20, dtype=torch.bfloat16)
+        t[::2] = -3
+        cell = new_cell(new_serial())
+        compute([torch.zeros(4096)], [new_cell(new_serial())], DeviceStatistics())  # warm
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        compute([t], [cell], DeviceStatistics())
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(grown // 1024, values(cell))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    grown, stats = done.stdout.split(" ", 1)
+    assert int(grown) < 64, done.stdout  # MiB; the scratch is 16 at most
+    n = 64 << 20
+    assert stats.strip() == repr((1.0, -3.0, -1.0, math.sqrt(n // 2 * 9 + n // 2)))
+
+
+def test_a_dumped_weight_over_the_scratch_has_its_parts_statistics_in_the_csv(tmp_path,
+                                                                               monkeypatch):
+    """Through the probe: the statistic.csv row of an embedding weight larger than the scratch
+    (measured in parts) holds the numbers the formula gives it."""
+    from conftest import dump, only_proc, read_csv
+    from harness import config
+    monkeypatch.setattr(statistics, "SCRATCH_ELEMENTS", 100_000)
+    monkeypatch.setattr(statistics, "PART_ELEMENTS", 4_096)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(3000, 128)
+            self.head = torch.nn.Linear(128, 16)
+
+        def forward(self, ids):
+            return self.head(self.embed(ids))
+
+    torch.manual_seed(0)
+    model = Model().to(torch.bfloat16)
+    ids = torch.tensor([[1, 5, 2999]])
+    with torch.no_grad():
+        root = dump(tmp_path, config(task="statistics", save_child=True), lambda: model(ids))
+    rows = read_csv(only_proc(root) / "0" / "statistic.csv")
+    weight = [r for r in rows if r["Op Type"] == "EmbeddingKernel" and
+              r["Input/Output"] == "input" and r["Index"] == "0"]
+    assert len(weight) == 1 and weight[0]["Shape"] == "3000x128"
+    want = _numpy_one(model.embed.weight)
+    got = tuple(float(weight[0][k]) for k in ("Max", "Min", "Mean", "Norm"))
+    assert _same(got, want)
 
 
 def test_each_thread_converts_in_scratch_memory_of_its_own():

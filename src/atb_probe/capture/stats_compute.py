@@ -26,6 +26,13 @@ What a statistic is (on the host, the numbers of every earlier version of the pr
   as the rows of one 2-D array, each row giving what it gives alone (`_rows`). The dense
   bfloat16, float16 and bool tensors of a batch are converted to float32 in one concatenation
   per dtype (`_convert_together`): the values each is measured over are the same.
+* A tensor of more than SCRATCH_ELEMENTS (4M) elements measured in float32 is measured a part
+  at a time (`_one_in_parts`), each part converted into memory its thread keeps: max, min and
+  the sum are those of the whole array bit for bit (the parts are the ones numpy's pairwise
+  summation splits it into), the sum of squares is that of each part's BLAS dot product, added
+  exactly. Before, the whole array's float32 dot product was taken: for a 32.8 M-element
+  embedding it was off by 7 parts in 1e5, the parts' sum by 2 (its last digits differ from
+  the versions before, which depended on the BLAS and its threads anyway).
 * Accelerator tensors are reduced on their device, the sum and the sum of squares accumulated
   in float64 (more exact than float32 and beyond its range, so no overflow fallback and no
   second pass: a small decode step on a GPU is bound by kernel launches, so the device path
@@ -65,6 +72,12 @@ def compute(tensors: list, cells: list, device: DeviceStatistics) -> None:
     accelerator tensors fill when `device`'s batches land."""
     if len(tensors) == 1 and tensors[0].is_cpu:  # an op side computed at once: the common case
         t = tensors[0]
+        if t.numel() > SCRATCH_ELEMENTS:
+            with np.errstate(all="ignore"):
+                stats = _in_parts(t)
+            if stats is not None:
+                fill(cells[0], stats)
+                return
         a = _in_scratch(t) if t.numel() >= SCRATCH_FROM else None
         if a is None:  # (a tensor of float32 or float64 values, most often)
             x = prepare(t)
@@ -76,7 +89,12 @@ def compute(tensors: list, cells: list, device: DeviceStatistics) -> None:
     with np.errstate(all="ignore"):
         for t, cell in zip(tensors, cells):
             if t.is_cpu:
-                if t.numel() >= SCRATCH_FROM:
+                if t.numel() > SCRATCH_ELEMENTS:
+                    stats = _in_parts(t)
+                    if stats is not None:  # measured a part at a time, now
+                        fill(cell, stats)
+                        continue
+                elif t.numel() >= SCRATCH_FROM:
                     a = _in_scratch(t)
                     if a is not None:  # measured now: the next one takes the same memory
                         fill(cell, _one(a))
@@ -171,6 +189,10 @@ def _rows(m, cells: list) -> None:
     flat array, and `matmul` of stacked vectors makes each row's BLAS dot as `a @ a` does
     (tests/test_statistics_batch.py checks both)."""
     n = m.shape[1]
+    if n > SCRATCH_ELEMENTS and m.dtype.char == "f":  # rows that long are measured in parts
+        for row, cell in zip(m, cells):
+            fill(cell, _one_in_parts(row))
+        return
     highs, lows = _max(m, axis=1).tolist(), _min(m, axis=1).tolist()
     totals = _sum(m, axis=1).tolist()
     squares = np.matmul(m[:, None, :], m[:, :, None]).reshape(-1).tolist()
@@ -190,7 +212,7 @@ def _rows(m, cells: list) -> None:
 # (a 2.9 M-element bfloat16 weight, two torch threads: 0.95 ms against 0.12 while the previous
 # conversion was still held; 130 against 103 us in a loop that frees each one first, where
 # malloc hands the same memory back). A thread keeps at most SCRATCH_ELEMENTS (16 MiB); a
-# larger tensor is converted as before.
+# larger tensor is measured a part at a time (`_in_parts`).
 SCRATCH_FROM = 1 << 15
 SCRATCH_ELEMENTS = 1 << 22
 _TO_FLOAT32 = frozenset({torch.bfloat16, torch.float16, torch.bool})
@@ -214,6 +236,14 @@ def _in_scratch(t: torch.Tensor):
     x = _values(t)
     if not (x.is_contiguous() or is_dense(x)):
         return None
+    out = _scratch_memory(n)
+    out.copy_(dense_flat(x))
+    return out.numpy()
+
+
+def _scratch_memory(n: int) -> torch.Tensor:
+    """The first `n` elements of the calling thread's float32 scratch memory (n at most
+    SCRATCH_ELEMENTS), grown to hold them."""
     data = _scratch.data
     if data is None or data.numel() < n:
         # A normal tensor on the host, whatever the caller runs under: an inference tensor
@@ -222,9 +252,101 @@ def _in_scratch(t: torch.Tensor):
         with torch.inference_mode(False):
             data = _scratch.data = torch.empty(max(n, 1 << 20), dtype=torch.float32,
                                                device="cpu")
-    out = data[:n]
-    out.copy_(dense_flat(x))
-    return out.numpy()
+    return data[:n]
+
+
+# A host tensor of more than SCRATCH_ELEMENTS elements measured in float32 (float32 itself,
+# bfloat16, float16, bool) is measured a part of at most PART_ELEMENTS at a time (`_in_parts`),
+# each part of a converted one converted into the thread's scratch memory: converting the
+# whole tensor took new memory as large as it in float32, and its pages cost many times the
+# conversion (a 32.8 M-element bfloat16 embedding: about 200 ms on the host of
+# docs/performance.md, 26 ms a part at a time). A part's 1 MiB of float32 stays in the core's
+# cache while its four reductions read it.
+PART_ELEMENTS = 1 << 18
+
+
+def _in_parts(t: torch.Tensor):
+    """(Inside `np.errstate`.) The statistics of host tensor `t`, of more than
+    SCRATCH_ELEMENTS elements, measured a part at a time (`_one_in_parts`); None where its
+    values are not measured in float32 or have gaps (`prepare` lays those out its own way)."""
+    x = _values(t)
+    if x.dtype is not torch.float32 and x.dtype not in _TO_FLOAT32:
+        return None
+    if not (x.is_contiguous() or is_dense(x)):
+        return None
+    flat = dense_flat(x)
+    return _one_in_parts(flat.numpy() if flat.dtype is torch.float32 else flat)
+
+
+def _one_in_parts(values) -> tuple:
+    """(Inside `np.errstate`.) `_one` of a float32 array of more than SCRATCH_ELEMENTS
+    elements, in parts of at most PART_ELEMENTS: `values` is a flat float32 numpy array, or a
+    1-D host tensor (bfloat16, float16, bool) converted to float32 a part at a time into the
+    thread's scratch memory.
+
+    Max, min and the sum are the numbers `_one` gives the whole array, bit for bit: the parts
+    are those numpy's pairwise summation splits the array into (`_pairwise`), and their sums
+    are joined as it joins them. The sum of squares is each part's BLAS dot product, added
+    exactly (`math.fsum`): over millions of elements a float32 dot of the whole array is off by
+    parts in 1e5 itself (the module's docstring), the parts' sum less so.
+    A float32 sum that overflows while every element is finite is taken again in float64, as
+    `_one` does."""
+    converted = isinstance(values, torch.Tensor)
+    n = values.numel() if converted else values.size
+    scratch = _scratch_memory(PART_ELEMENTS) if converted else None
+    highs, lows, squares = [], [], []
+
+    def part(start: int, count: int):
+        if not converted:
+            return values[start:start + count]
+        out = scratch[:count]
+        out.copy_(values[start:start + count])
+        return out.numpy()
+
+    def measured(start: int, count: int):
+        a = part(start, count)
+        highs.append(_max(a))
+        lows.append(_min(a))
+        squares.append(float(a @ a))
+        return _sum(a, initial=-0.0)  # the pairwise sum alone: -0.0 + x is x
+
+    # numpy's reduction starts from add's identity, +0.0 (a sum of zeros is +0.0)
+    total = float(np.float32(0.0) + _pairwise(0, n, measured))
+    high, low = float(_max(np.array(highs))), float(_min(np.array(lows)))
+    square = _added(squares)
+    if not (_isfinite(total) and _isfinite(square)) and _overflowed(high, low, total, square):
+        squares.clear()
+
+        def measured64(start: int, count: int):
+            a = part(start, count).astype(np.float64)
+            squares.append(float(a @ a))
+            return _sum(a, initial=-0.0)
+
+        total = float(np.float64(0.0) + _pairwise(0, n, measured64))
+        square = _added(squares)
+    return high, low, total / n, math.sqrt(square)
+
+
+def _pairwise(start: int, count: int, part_sum, most: int | None = None):
+    """The sum of `count` elements from `start` in numpy's pairwise order (its
+    `pairwise_sum`: a run longer than 128 elements is the sum of its two halves, the first
+    rounded down to a multiple of 8), down to runs of at most `most` (PART_ELEMENTS, at least
+    128), whose sums `part_sum(start, count)` gives as numpy scalars."""
+    most = PART_ELEMENTS if most is None else most
+    if count <= most:
+        return part_sum(start, count)
+    half = count // 2
+    half -= half % 8
+    return _pairwise(start, half, part_sum, most) + \
+        _pairwise(start + half, count - half, part_sum, most)
+
+
+def _added(values: list) -> float:
+    """The exact sum of non-negative floats (inf where it overflows, nan with a nan)."""
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        return math.inf
 
 
 # Tensors of one dtype, from this many on, are reduced together by segments (`segment_rows`),
@@ -314,6 +436,9 @@ def _one_quiet(a) -> tuple:
     or meet inf - inf; numpy's default error state ignores underflow. So when the thread's
     error state is numpy's default, the sums run without the context (about half a
     microsecond per call); anything else (nan, inf, huge values, a state the user set) takes it."""
+    if a.size > SCRATCH_ELEMENTS and a.dtype.char == "f":
+        with np.errstate(all="ignore"):
+            return _one_in_parts(a)
     high, low = float(_max(a)), float(_min(a))
     limit = _LIMITS.get(a.dtype.char, 0.0) / math.sqrt(a.size)
     if -limit < low and high < limit and _default_errstate():
@@ -345,7 +470,10 @@ _default_errstate = _error_state_probe() or (lambda: False)
 
 
 def _one(a, high=None, low=None) -> tuple:
-    """(Inside `np.errstate`.) The statistics of a flat float32/float64 numpy array."""
+    """(Inside `np.errstate`.) The statistics of a flat float32/float64 numpy array (of more
+    than SCRATCH_ELEMENTS float32 elements: `_one_in_parts`)."""
+    if a.size > SCRATCH_ELEMENTS and a.dtype.char == "f":
+        return _one_in_parts(a)
     if high is None:
         high, low = float(_max(a)), float(_min(a))
     total, squares = float(_sum(a)), _square_sum(a)
