@@ -44,7 +44,6 @@ only.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 import threading
@@ -54,6 +53,7 @@ from dataclasses import dataclass
 
 from .. import log
 from ..statcsv import format_request_sides, format_sides, mark_missing
+from . import jsontext
 from .jobs import JsonJob, RowsJob, TensorFileJob
 from .safefs import SafeTree, UnsafePathError
 
@@ -394,8 +394,7 @@ class Writer:
                 self.stats.files_written += 1
                 self.stats.bytes_written += nbytes
             else:
-                data = json.dumps(job.doc, indent=2, ensure_ascii=False,
-                                  default=str).encode("utf-8")
+                data = jsontext.dumps(job.doc).encode("utf-8")
                 self.stats.bytes_written += self.tree.write_file(rel_dir, name, [data])
                 self.stats.files_written += 1
         except UnsafePathError as exc:
