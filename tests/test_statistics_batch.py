@@ -795,6 +795,31 @@ def test_a_tensor_measured_whole_and_per_request_gets_both_from_one_conversion(
     assert not (queue.tensors or queue.runs or queue.nbytes)
 
 
+def test_per_request_runs_of_tensors_converted_in_the_scratch_are_their_own():
+    """Tensors large enough for the thread's scratch memory are converted into it for their
+    runs too (one after another or not), each measured before the next tensor takes that
+    memory: every run and every whole tensor gets its own formula's numbers."""
+    g = torch.Generator().manual_seed(4)
+    width = statistics.SCRATCH_FROM // 16 + 3
+    first, second = [(torch.randn(16, width, generator=g) * (k + 1)).to(torch.bfloat16)
+                     for k in range(2)]
+    half = torch.randn(4, 30, generator=g).half()  # prepared the usual way, in the batch
+    runs_first = [(0, width), (width, 5 * width), (7 * width, 16 * width)]
+    runs_second = [(k * width, (k + 1) * width) for k in range(16)]
+    runs_half = [(0, 30), (30, 90)]
+    entries = [(first, runs_first, _cells(3), False), (second, runs_second, _cells(16), True),
+               (half, runs_half, _cells(2), False)]
+    whole_cells = _cells(3)
+    left, _ = statistics.compute_runs(entries, [first, half, second], whole_cells)
+    assert left == []
+    for t, runs, cells, _ in entries:
+        flat = t.reshape(-1)
+        for (start, stop), cell in zip(runs, cells):
+            assert _same(stats_of(cell), _numpy_one(flat[start:stop])), (t.dtype, start)
+    for t, cell in zip((first, half, second), whole_cells):
+        assert _same(stats_of(cell), _numpy_one(t))
+
+
 def _converted_tensors(seed: int) -> list[torch.Tensor]:
     """Host tensors large enough to be converted to float32 in the thread's scratch memory
     (`stats_compute._in_scratch`), in every layout `prepare` meets, and one too large for it."""

@@ -143,11 +143,12 @@ def _convert_together(group: list, arrays: list) -> None:
 def compute_runs(entries: list, tensors: list = (), cells: list = ()) -> tuple[list, list]:
     """Fill the cells of slices of contiguous host tensors: `entries` holds (tensor, runs,
     cells, one after another), a run (start, stop) being a slice of the tensor's elements in
-    storage order and its cell EMPTY when the run is. Each tensor is prepared once and its
-    runs are numpy views of it: runs of one length, one after another (a token per request in
-    a decode step, the rows of a batch: the caller says so), as the rows of one 2-D view
-    (`_rows`); any others as one `_host` batch. Each slice gets what `compute` gives the tensor
-    `t.view(-1)[start:stop]`, bit for bit.
+    storage order and its cell EMPTY when the run is. Each tensor is prepared once (into the
+    thread's scratch memory where `_in_scratch` takes it) and its runs are numpy views of it:
+    runs of one length, one after another (a token per request in a decode step, the rows of
+    a batch: the caller says so), as the rows of one 2-D view (`_rows`); any others as one
+    `_host` batch (those of a tensor in the scratch: a batch of their own). Each slice gets
+    what `compute` gives the tensor `t.view(-1)[start:stop]`, bit for bit.
 
     `tensors` and `cells`: what `compute` is to measure next. Those among them that have runs
     here are measured whole from the same prepared values, as `compute` would; returns the
@@ -157,8 +158,16 @@ def compute_runs(entries: list, tensors: list = (), cells: list = ()) -> tuple[l
     done = []
     with np.errstate(all="ignore"):
         for t, runs, run_cells, one_after_another in entries:
-            x = prepare(t)
-            a = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1)
+            # Converted into the thread's scratch memory (a bfloat16 hidden state of a serving
+            # step), not into new memory: its runs are then measured before the next tensor
+            # takes that memory.
+            a = _in_scratch(t) if SCRATCH_FROM <= t.numel() <= SCRATCH_ELEMENTS else None
+            if a is None:
+                x = prepare(t)
+                a = (x if x.is_contiguous() else x.contiguous()).numpy().reshape(-1)
+                mine, mine_cells = arrays, host_cells
+            else:
+                mine, mine_cells = [], []
             if whole:
                 i = whole.pop(id(t), None)
                 if i is not None:  # what `compute` gives it: the same values in the same order
@@ -171,8 +180,10 @@ def compute_runs(entries: list, tensors: list = (), cells: list = ()) -> tuple[l
                 continue
             for (start, stop), cell in zip(runs, run_cells):
                 if start < stop:
-                    arrays.append(a[start:stop])
-                    host_cells.append(cell)
+                    mine.append(a[start:stop])
+                    mine_cells.append(cell)
+            if mine and mine is not arrays:
+                _host(mine, mine_cells)
         if arrays:
             _host(arrays, host_cells)
     if not done:
