@@ -5,7 +5,8 @@ in one `compute` call (see `Queue.resolve` in stats_reuse.py). Each result goes 
 that the statistic.csv rows point to; the rows are formatted on the writer thread, which is the
 only reader of the values.
 
-What a statistic is (on the host, the numbers of every earlier version of the probe, bit for bit):
+What a statistic is (on the host, the numbers of every earlier version of the probe, bit for bit,
+but for the Norm of a tensor of more than 4M elements, below):
 
 * On the host, accumulated in float32 (float64 for double and integer tensors), over the
   tensor's memory in storage order (a transposed view is reduced as fast as its base); the
