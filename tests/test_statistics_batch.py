@@ -32,8 +32,8 @@ from atb_probe.record.writer import Writer
 from atb_probe.stats_cell import (EMPTY, QUEUED, READY, new_cell, new_serial,
                                   values as stats_of, waits_in)
 
-from conftest import probe_lines
-from harness import wait_until
+from conftest import dump, only_proc, probe_lines, read_csv
+from harness import config, wait_until
 
 
 def compute(tensors, cells) -> None:
@@ -943,8 +943,6 @@ def test_a_dumped_weight_over_the_scratch_has_its_parts_statistics_in_the_csv(tm
                                                                                monkeypatch):
     """Through the probe: the statistic.csv row of an embedding weight larger than the scratch
     (measured in parts) holds the numbers the formula gives it."""
-    from conftest import dump, only_proc, read_csv
-    from harness import config
     monkeypatch.setattr(statistics, "SCRATCH_ELEMENTS", 100_000)
     monkeypatch.setattr(statistics, "PART_ELEMENTS", 4_096)
 

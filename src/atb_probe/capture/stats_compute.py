@@ -201,9 +201,9 @@ def _rows(m, cells: list) -> None:
     flat array, and `matmul` of stacked vectors makes each row's BLAS dot as `a @ a` does
     (tests/test_statistics_batch.py checks both)."""
     n = m.shape[1]
-    if n > SCRATCH_ELEMENTS and m.dtype.char == "f":  # rows that long are measured in parts
+    if n > SCRATCH_ELEMENTS:  # rows that long are measured as `_one` measures them alone
         for row, cell in zip(m, cells):
-            fill(cell, _one_in_parts(row))
+            fill(cell, _one(row))
         return
     highs, lows = _max(m, axis=1).tolist(), _min(m, axis=1).tolist()
     totals = _sum(m, axis=1).tolist()
@@ -448,9 +448,9 @@ def _one_quiet(a) -> tuple:
     or meet inf - inf; numpy's default error state ignores underflow. So when the thread's
     error state is numpy's default, the sums run without the context (about half a
     microsecond per call); anything else (nan, inf, huge values, a state the user set) takes it."""
-    if a.size > SCRATCH_ELEMENTS and a.dtype.char == "f":
+    if a.size > SCRATCH_ELEMENTS:  # in parts (`_one`): the context costs nothing there
         with np.errstate(all="ignore"):
-            return _one_in_parts(a)
+            return _one(a)
     high, low = float(_max(a)), float(_min(a))
     limit = _LIMITS.get(a.dtype.char, 0.0) / math.sqrt(a.size)
     if -limit < low and high < limit and _default_errstate():
