@@ -448,7 +448,7 @@ def _one_quiet(a) -> tuple:
     or meet inf - inf; numpy's default error state ignores underflow. So when the thread's
     error state is numpy's default, the sums run without the context (about half a
     microsecond per call); anything else (nan, inf, huge values, a state the user set) takes it."""
-    if a.size > SCRATCH_ELEMENTS:  # in parts (`_one`): the context costs nothing there
+    if a.size > SCRATCH_ELEMENTS:  # `_one` (float32 in parts): the context costs nothing here
         with np.errstate(all="ignore"):
             return _one(a)
     high, low = float(_max(a)), float(_min(a))
