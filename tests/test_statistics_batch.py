@@ -820,6 +820,82 @@ def test_per_request_runs_of_tensors_converted_in_the_scratch_are_their_own():
         assert _same(stats_of(cell), _numpy_one(t))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_runs_of_a_tensor_over_the_scratch_are_their_own_without_a_whole_conversion(
+        seed, monkeypatch):
+    """The runs of a converted tensor over SCRATCH_ELEMENTS (a long prefill's bfloat16 hidden
+    state, cut per request) are converted a span at a time, never the whole tensor: each run
+    gets what `compute` gives its slice alone (a run over the scratch in parts), in any order
+    and with gaps, and the tensor measured whole its parts statistics."""
+    monkeypatch.setattr(statistics, "SCRATCH_ELEMENTS", 100_000)
+    monkeypatch.setattr(statistics, "PART_ELEMENTS", 5_000)
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(600, 640, generator=g) * 100
+    base[3, 5], base[400, 7] = float("nan"), float("-inf")
+    base[500] = 3e19  # float32 sums overflow: float64 again
+    bf16 = base.to(torch.bfloat16)
+    converted = []
+    monkeypatch.setattr(statistics, "prepare", lambda t: converted.append(t.numel()) or
+                        statistics._as_float(statistics._values(t)))
+    irregular = [(640, 1280), (5000, 5000), (200_000, 384_000), (1280, 90_000),
+                 (90_000, 150_000), (150_000, 151_000)]  # unsorted, a gap, one over it
+    for t in (bf16, base.half(), base > 0, torch._neg_view(bf16)):
+        flat = t.reshape(-1)
+        rows = [(k * 640, (k + 1) * 640) for k in range(600)]
+        long_rows = [(k * 128_000, (k + 1) * 128_000) for k in range(3)]
+        for runs, one_after_another in ((irregular, False), (irregular[::-1], False),
+                                        (rows, True), (long_rows, True)):
+            cells = [EMPTY if start >= stop else new_cell(new_serial())
+                     for start, stop in runs]
+            whole = _cells(1)
+            left, _ = statistics.compute_runs([(t, runs, cells, one_after_another)], [t],
+                                              whole)
+            assert left == [] and converted == [], (t.dtype, converted)  # nothing whole
+            assert _same(stats_of(whole[0]), _numpy_one(t)), t.dtype
+            for (start, stop), cell in zip(runs, cells):
+                if start == stop:
+                    assert cell is EMPTY
+                    continue
+                alone = _cells(1)
+                statistics.compute([flat[start:stop]], alone, DeviceStatistics())
+                assert _same(stats_of(cell), stats_of(alone[0])), (t.dtype, start, stop)
+                assert _same(stats_of(cell), _numpy_one(flat[start:stop])), (t.dtype, start)
+            converted.clear()
+
+
+def test_runs_of_a_tensor_over_the_scratch_are_measured_without_memory_of_its_size(tmp_path):
+    """Per-request runs of a bfloat16 tensor four times the scratch (64 M elements) take no
+    memory of its size: converting it whole for its runs took 256 MB of float32."""
+    script = tmp_path / "measure.py"
+    script.write_text(textwrap.dedent("""
+        import resource
+        import torch
+        from atb_probe.capture.stats_compute import DeviceStatistics, compute, compute_runs
+        from atb_probe.stats_cell import new_cell, new_serial, values
+        n = 64 << 20
+        t = torch.ones(n, dtype=torch.bfloat16)
+        t[::2] = -3
+        compute([torch.zeros(4096)], [new_cell(new_serial())], DeviceStatistics())  # warm
+        runs = [(0, 1000), (1000, n // 2), (n // 2, n)]
+        rows = [(k * (n // 64), (k + 1) * (n // 64)) for k in range(64)]
+        cells = [new_cell(new_serial()) for _ in runs]
+        row_cells = [new_cell(new_serial()) for _ in rows]
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        compute_runs([(t, runs, cells, False), (t, rows, row_cells, True)])
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(grown // 1024, values(cells[1]), values(row_cells[5]))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    grown, stats = done.stdout.split(" ", 1)
+    assert int(grown) < 64, done.stdout  # MiB; the scratch is 16 at most
+    half, row = (1 << 25) - 1000, 1 << 20
+    assert stats.strip() == " ".join(repr(v) for v in (
+        (1.0, -3.0, -1.0, math.sqrt(half // 2 * 9 + half // 2)),
+        (1.0, -3.0, -1.0, math.sqrt(row // 2 * 9 + row // 2))))
+
+
 def _converted_tensors(seed: int) -> list[torch.Tensor]:
     """Host tensors large enough to be converted to float32 in the thread's scratch memory
     (`stats_compute._in_scratch`), in every layout `prepare` meets, and one too large for it."""

@@ -33,7 +33,8 @@ but for the Norm of a tensor of more than 4M elements, below):
   summation splits it into), the sum of squares is that of each part's BLAS dot product, added
   exactly. Before, the whole array's float32 dot product was taken: for a 32.8 M-element
   embedding it was off by 7 parts in 1e5, the parts' sum by 2 (its last digits differ from
-  the versions before, which depended on the BLAS and its threads anyway).
+  the versions before, which depended on the BLAS and its threads anyway). Cut into requests
+  (`compute_runs`), such a tensor is converted a span of runs at a time (`_runs_in_parts`).
 * Accelerator tensors are reduced on their device, the sum and the sum of squares accumulated
   in float64 (more exact than float32 and beyond its range, so no overflow fallback and no
   second pass: a small decode step on a GPU is bound by kernel launches, so the device path
@@ -151,6 +152,10 @@ def compute_runs(entries: list, tensors: list = (), cells: list = ()) -> tuple[l
     `_host` batch (those of a tensor in the scratch: a batch of their own). Each slice gets
     what `compute` gives the tensor `t.view(-1)[start:stop]`, bit for bit.
 
+    A tensor of more than SCRATCH_ELEMENTS elements converted to float32 (a bfloat16 hidden
+    state of a long prefill) is not converted whole: its runs are, a few at a time
+    (`_runs_in_parts`), and it is measured whole a part at a time, as `compute` would.
+
     `tensors` and `cells`: what `compute` is to measure next. Those among them that have runs
     here are measured whole from the same prepared values, as `compute` would; returns the
     others and their cells, for `compute`."""
@@ -159,6 +164,13 @@ def compute_runs(entries: list, tensors: list = (), cells: list = ()) -> tuple[l
     done = []
     with np.errstate(all="ignore"):
         for t, runs, run_cells, one_after_another in entries:
+            if t.numel() > SCRATCH_ELEMENTS and t.dtype in _TO_FLOAT32:
+                i = whole.pop(id(t), None) if whole else None
+                if i is not None:
+                    fill(cells[i], _in_parts(t))
+                    done.append(i)
+                _runs_in_parts(t, runs, run_cells, one_after_another)
+                continue
             # Converted into the thread's scratch memory (a bfloat16 hidden state of a serving
             # step), not into new memory: its runs are then measured before the next tensor
             # takes that memory.
@@ -192,6 +204,40 @@ def compute_runs(entries: list, tensors: list = (), cells: list = ()) -> tuple[l
     done = set(done)
     return ([t for i, t in enumerate(tensors) if i not in done],
             [c for i, c in enumerate(cells) if i not in done])
+
+
+def _runs_in_parts(t: torch.Tensor, runs: list, cells: list, one_after_another: bool) -> None:
+    """(Inside `np.errstate`.) `compute_runs` of the runs of contiguous host tensor `t`, of more
+    than SCRATCH_ELEMENTS elements converted to float32, without converting it whole: runs of
+    at most SCRATCH_ELEMENTS elements a span of them at a time, each span (at most
+    SCRATCH_ELEMENTS from its first run's start to its last run's stop) converted into the
+    thread's scratch memory and measured before the next one takes it; a longer run a part at a
+    time (`_one_in_parts`). Each run gets what `compute` gives its slice alone, bit for bit,
+    as from a whole conversion: the same float32 values, measured the same way."""
+    flat = dense_flat(_values(t))
+    order = sorted((k for k, (start, stop) in enumerate(runs) if start < stop),
+                   key=lambda k: runs[k][0])
+    k = 0
+    while k < len(order):
+        start, stop = runs[order[k]]
+        if stop - start > SCRATCH_ELEMENTS:
+            fill(cells[order[k]], _one_in_parts(flat[start:stop]))
+            k += 1
+            continue
+        end = k + 1
+        while end < len(order) and max(stop, runs[order[end]][1]) - start <= SCRATCH_ELEMENTS:
+            stop = max(stop, runs[order[end]][1])
+            end += 1
+        span = _scratch_memory(stop - start)
+        span.copy_(flat[start:stop])
+        a = span.numpy()
+        members = order[k:end]
+        if one_after_another:  # consecutive runs of one length: the rows of one 2-D view
+            _rows(a.reshape(len(members), -1), [cells[m] for m in members])
+        else:
+            _host([a[runs[m][0] - start:runs[m][1] - start] for m in members],
+                  [cells[m] for m in members])
+        k = end
 
 
 def _rows(m, cells: list) -> None:
