@@ -10,6 +10,13 @@ cores) is `run.py`'s business.
     python bench/micro.py            # every case
     python bench/micro.py --gc       # with the garbage collector running, as in real use
     python bench/micro.py --clock cpu   # the model thread's CPU time (a shared machine)
+    python bench/micro.py --cold 8   # each layer first reads 8 MiB, as a real layer's weights do
+
+`--cold`: a real model's layers read megabytes of weights between two of the probe's steps,
+which pushes the probe's code and data out of the CPU's caches; every step then costs several
+times what it costs in a tight loop (a tiny tensor's statistics about 50 us against 7 on the
+Intel VM of docs/performance.md). With `--cold MIB` each layer reads a buffer of MIB MiB
+before its op, un-probed and probed alike, so the difference is the probe's cost in that state.
 
 Cases: `layer-stat` (statistics of layer-level ops whose inputs look like a decoder
 layer's: hidden state, two position embeddings, two index tensors, a cache object),
@@ -37,6 +44,12 @@ from torch import nn
 import atb_probe
 
 LAYERS = 128
+_evicting = None  # with --cold, the buffer each layer reads first
+
+
+def _evict() -> None:
+    if _evicting is not None:
+        _evicting.max()
 
 
 class DecoderLikeLayer(nn.Module):
@@ -44,6 +57,7 @@ class DecoderLikeLayer(nn.Module):
 
     def forward(self, hidden, position_ids=None, cache_position=None, position_embeddings=None,
                 past_key_values=None, use_cache=False):
+        _evict()
         return hidden + 1.0
 
 
@@ -57,6 +71,7 @@ class KernelLayer(nn.Module):
         self.weight = nn.Parameter(torch.randn(64, 64) / 16)  # keeps values finite
 
     def forward(self, h):
+        _evict()
         for _ in range(5):
             h = torch.mm(h.view(4, 64), self.weight.t()).view(1, 4, 64)
             h = h * 0.5 + 1.0
@@ -164,8 +179,15 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: elapsed time (default); cpu: the model thread's CPU time, "
                              "steadier on a machine shared with other jobs")
+    parser.add_argument("--cold", type=int, default=0, metavar="MIB",
+                        help="each layer first reads a buffer of MIB MiB (the caches evicted, "
+                             "as between a real model's layers)")
     opts = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if opts.cold:
+        import numpy as np
+        global _evicting
+        _evicting = np.ones(opts.cold << 17, dtype=np.uint64)
     if not opts.gc:
         gc.disable()
     print(f"{'case':<14}{'un-probed us/op':>17}{'probed us/op':>14}{'probe us/op':>13}")
