@@ -228,9 +228,7 @@ def _runs_in_parts(t: torch.Tensor, runs: list, cells: list, one_after_another: 
         while end < len(order) and max(stop, runs[order[end]][1]) - start <= SCRATCH_ELEMENTS:
             stop = max(stop, runs[order[end]][1])
             end += 1
-        span = _scratch_memory(stop - start)
-        span.copy_(flat[start:stop])
-        a = span.numpy()
+        a = _in_scratch(flat[start:stop])
         members = order[k:end]
         if one_after_another:  # consecutive runs of one length: the rows of one 2-D view
             _rows(a.reshape(len(members), -1), [cells[m] for m in members])
