@@ -126,3 +126,20 @@ def test_a_thread_waiting_for_the_writer_gets_one_at_its_own_priority(tmp_path, 
     wait_until(lambda: list(_writer_threads().values()) == [19], 30,
                "one writer thread, yielding again")
     assert writer.close(30)
+
+
+def test_a_flush_with_nothing_queued_leaves_the_yielding_writer_alone(tmp_path, monkeypatch):
+    """Nothing to wait for: the flush returns at once and no thread at the process's priority
+    is started for it (disabling a probe whose files are on disk flushes again)."""
+    monkeypatch.delenv("ATB_PROBE_WRITER_NICE", raising=False)
+    writer = Writer(SafeTree(str(tmp_path)), min_free=0)
+    writer.put(JsonJob("d", "doc.json", {"n": 1}))
+    assert writer.flush(60)
+    assert json.loads((tmp_path / "d" / "doc.json").read_text()) == {"n": 1}
+    wait_until(lambda: list(_writer_threads().values()) == [19], 30,
+               "one writer thread, yielding again")
+    before = [t for t in threading.enumerate() if t.name == "atb-probe-writer"]
+    assert writer.flush(60)
+    after = [t for t in threading.enumerate() if t.name == "atb-probe-writer"]
+    assert after == before and list(_writer_threads().values()) == [19]
+    assert writer.close(30)

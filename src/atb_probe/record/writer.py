@@ -247,6 +247,8 @@ class Writer:
         """Wait until everything queued is on disk; False when `timeout` ran out first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            if not (self._jobs or self._busy or self._rows.waiting):
+                return True  # nothing to wait for: no thread handed over for nothing
             self._urgent += 1
             self._hurry()
             self._cond.notify_all()
