@@ -57,7 +57,7 @@ class Probe:
         self.output = os.path.abspath(output)
         self.config_path = os.path.abspath(config_path) if config_path else None
         self.tree = SafeTree(layout.dump_root(self.output))
-        self.writer = Writer(self.tree)
+        self.writer = Writer(self.tree, process=True)
         self.config: DumpConfig | None = None
         self.selection: Selection | None = None
         self.config_applied_at: str | None = None
@@ -222,6 +222,8 @@ class Probe:
                 except OSError as exc:
                     log.warn_once("data-dir", f"cannot create {self.tree.path(layout.DATA_DIR)}: "
                                               f"{exc}")
+            if not excluded:
+                self.writer.expect_tensor_files(config.wants_tensors)
             self.engine.install()
         elif self.engine is not None:
             self.engine.uninstall()

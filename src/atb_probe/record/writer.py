@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 
 from .. import log
 from ..statcsv import format_request_sides, format_sides, mark_missing
-from . import jsontext
+from . import jsontext, sidecar
 from .jobs import JsonJob, RowsJob, TensorFileJob
 from .safefs import SafeTree, UnsafePathError
 
@@ -87,7 +88,8 @@ class _Rows:
     __slots__ = ("header", "requests", "parts", "nbytes", "accounted", "due", "file_bytes",
                  "ready")
 
-    def __init__(self, header: str, now: float, file_bytes: int, requests: bool = False):
+    def __init__(self, header: str, now: float, file_bytes: int, requests: bool = False,
+                 delay: float = 0.2):
         self.header = header
         self.requests = requests  # request_statistic.csv's rows
         self.parts: list = []  # lists of side records (statcsv.py)
@@ -95,7 +97,7 @@ class _Rows:
         self.nbytes = 0        # bytes of rows waiting (estimated)
         self.accounted = 0     # their share of bytes_queued
         self.file_bytes = file_bytes  # bytes this writer has appended to the file so far
-        self.due = now + min(ROWS_MAX_DELAY, ROWS_DELAY * max(1.0, file_bytes / ROWS_BATCH))
+        self.due = now + min(ROWS_MAX_DELAY, delay * max(1.0, file_bytes / ROWS_BATCH))
 
     def encode(self, round_path: str) -> bytes:
         """The csv bytes of every waiting row (their Tensor Paths below `round_path`)."""
@@ -110,7 +112,8 @@ class RowBatches:
     """csv rows waiting per file (the caller holds the writer's lock): how long they may wait,
     and how many bytes each file has had so far (a bigger file waits longer)."""
 
-    def __init__(self):
+    def __init__(self, delay: float = 0.2):
+        self.delay = delay  # how long rows may wait (`Writer.rows_delay`)
         self.waiting: dict[tuple[str, str], _Rows] = {}
         self._file_bytes: dict[tuple[str, str], int] = {}
 
@@ -124,7 +127,8 @@ class RowBatches:
         new = rows is None
         if new:
             rows = self.waiting[key] = _Rows(job.header, time.monotonic() - waited,
-                                             self._file_bytes.get(key, 0), job.requests)
+                                             self._file_bytes.get(key, 0), job.requests,
+                                             self.delay)
         rows.parts.append(job.sides)
         if job.ready is not None:
             rows.ready.append(job.ready)
@@ -164,17 +168,42 @@ class Writer:
     place. The row batches themselves are `RowBatches`'."""
 
     def __init__(self, tree: SafeTree, queue_bytes: int = DEFAULT_QUEUE_BYTES,
-                 min_free: int | None = None, stall_seconds: float | None = None):
+                 min_free: int | None = None, stall_seconds: float | None = None,
+                 rows_delay: float = ROWS_DELAY, process: bool = False):
         self.tree = tree
         self.capacity = queue_bytes
         self.min_free = _min_free_from_env() if min_free is None else min_free
         self.stall_seconds = _stall_from_env() if stall_seconds is None else stall_seconds
-        self.stats = WriterStats()
-        self.failed = False
+        self.rows_delay = rows_delay
+        self._stats = WriterStats()
+        self._failed = False
         self._warned: set[str] = set()  # this writer's warn-once keys (log.warn_once)
+        # Where small jobs go (record/sidecar.py): a writer process while `_threaded` is False.
+        self._process = process and sidecar.available()
+        self._threaded = not self._process
+        self._sidecar: sidecar.Sidecar | None = None
+        self._route = threading.Lock()  # the route and what is sent along it, in one step
         self._reset_queue()
         self._closed = False
         tree.watch_progress(self._progress)
+
+    @property
+    def stats(self) -> WriterStats:
+        """What this writer (its thread and its process together) has written and skipped."""
+        own = self._stats  # first: `_retire` replaces it before it lets go of the process
+        side = self._sidecar
+        if side is None:
+            return own
+        files, nbytes, skipped, error = side.counters()
+        return WriterStats(own.files_written + files, own.bytes_written + nbytes,
+                           own.bytes_queued + side.queued(), own.files_skipped + skipped,
+                           own.last_error or error)
+
+    @property
+    def failed(self) -> bool:
+        """Writing has stopped (disk full, a stall, a write error): later jobs are dropped."""
+        side = self._sidecar
+        return self._failed or (side is not None and side.failed)
 
     def _reset_queue(self) -> None:
         self._jobs: deque = deque()
@@ -182,7 +211,7 @@ class Writer:
         self._busy = False
         self._thread: threading.Thread | None = None
         self._yielding = False            # `_thread` runs at the lowest priority
-        self._rows = RowBatches()
+        self._rows = RowBatches(self.rows_delay)
         self._urgent = 0                  # threads waiting for the disk: write rows now
         self._wakes_at = 0.0              # when the sleeping writer wakes on its own (inf: never)
         self._jobs_due = 0.0              # when the queued jobs must be written (0: at once)
@@ -193,6 +222,16 @@ class Writer:
     def put(self, job: TensorFileJob | JsonJob | RowsJob) -> None:
         """Queue a job (record/jobs.py). Waits while the queue is full (back-pressure); drops
         the job once the writer has stopped.
+
+        While the writer process is the route, a job that may go there is sent to it;
+        a tensor file, or a job that waits for an accelerator copy, first waits for the
+        process to finish and makes the thread the route from then on."""
+        with self._route:
+            if self._threaded or not self._send(job):
+                self._put_here(job)
+
+    def _put_here(self, job: TensorFileJob | JsonJob | RowsJob) -> None:
+        """Queue a job for the writer thread.
 
         statistic.csv rows join their file's batch at once when nothing is queued before them
         (so every file they name has been dealt with), without waking the writer unless the
@@ -209,7 +248,7 @@ class Writer:
             if type(job) is TensorFileJob:
                 self._jobs_due = 0.0  # it holds memory: written now, with what is before it
             elif not self._jobs:
-                self._jobs_due = time.monotonic() + ROWS_DELAY
+                self._jobs_due = time.monotonic() + self.rows_delay
             self._jobs.append(job)
             if self._jobs_due < self._wakes_at:  # else the writer wakes for them anyway
                 self._cond.notify_all()
@@ -217,15 +256,15 @@ class Writer:
     def _admit(self, size: int) -> bool:
         """(Holding `_cond`.) Wait for room for `size` bytes (back-pressure), then account for
         them; False when nothing can be queued any more."""
-        if self.failed or self._closed:
+        if self._failed or self._closed:
             return False
         self._ensure_thread()
-        if self.stats.bytes_queued and self.stats.bytes_queued + size > self.capacity:
+        if self._stats.bytes_queued and self._stats.bytes_queued + size > self.capacity:
             self._urgent += 1
             self._hurry()
             try:
-                while self.stats.bytes_queued and \
-                        self.stats.bytes_queued + size > self.capacity and not self.failed:
+                while self._stats.bytes_queued and \
+                        self._stats.bytes_queued + size > self.capacity and not self._failed:
                     idle = time.monotonic() - self._last_progress
                     if idle > self.stall_seconds:
                         self._stop(f"the disk under {self.tree.root} took nothing for "
@@ -236,15 +275,29 @@ class Writer:
             finally:
                 self._urgent -= 1
                 self._cond.notify_all()  # the writer may yield the cores again
-        if self.failed:
+        if self._failed:
             return False
         if not self._jobs and not self._busy:
             self._last_progress = time.monotonic()  # the writer was idle, not stalled
-        self.stats.bytes_queued += size
+        self._stats.bytes_queued += size
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued is on disk; False when `timeout` ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._route:
+            side = self._sidecar
+            if side is not None:
+                try:
+                    if not side.flush(timeout):
+                        return False
+                except sidecar.SidecarDied as exc:
+                    self._lost(side, exc)
+        return self._flush_here(None if deadline is None else
+                                max(0.0, deadline - time.monotonic()))
+
+    def _flush_here(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued for the thread is on disk (at most `timeout` s)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if not (self._jobs or self._busy or self._rows.waiting):
@@ -267,30 +320,132 @@ class Writer:
 
     def pending(self) -> int:
         with self._cond:
-            return self.stats.bytes_queued
+            here = self._stats.bytes_queued
+        side = self._sidecar
+        return here + (side.queued() if side is not None else 0)
 
     def close(self, timeout: float | None = None) -> bool:
-        """Flush (at most `timeout` s) and stop the writer thread. When the disk did not take
-        everything in time, the tree is told to give up: later writes fail at once instead of
-        blocking the exit behind a writer that is itself blocked in the kernel."""
-        done = self.flush(timeout)
-        with self._cond:
-            self._closed = True
-            stuck = not done and self._busy
-            self._cond.notify_all()
+        """Flush (at most `timeout` s) and stop the writer thread and process. When the disk
+        did not take everything in time, the tree is told to give up: later writes fail at
+        once instead of blocking the exit behind a writer that is itself blocked in the
+        kernel; a writer process is killed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._route:
+            side = self._sidecar
+            if side is not None:
+                side_done = side.close(timeout)
+                self._retire(side)
+            else:
+                side_done = True
+            done = self._flush_here(None if deadline is None else
+                                    max(0.0, deadline - time.monotonic()))
+            with self._cond:
+                self._closed = True
+                stuck = not done and self._busy
+                self._cond.notify_all()
         if stuck:
             self.tree.give_up()
         else:
             self.tree.close()
-        return done
+        return done and (side_done or side is None)
 
     def reset_after_fork(self) -> None:
-        """In a forked child: forget the parent's queue and thread, and write through a tree
-        of its own (the parent's lock may be held for good)."""
+        """In a forked child: forget the parent's queue, thread and process, and write through
+        a tree of its own (the parent's lock may be held for good)."""
+        if self._sidecar is not None:
+            self._sidecar.forget()
+            self._sidecar = None
+        self._route = threading.Lock()
         self._reset_queue()
-        self.stats = WriterStats()
+        self._stats = WriterStats()
         self.tree = SafeTree(self.tree.root)
         self.tree.watch_progress(self._progress)
+
+    # -- the writer process ---------------------------------------------------------------------
+
+    def expect_tensor_files(self, expected: bool) -> None:
+        """What the dump now asks for (the config just applied): tensor files keep every job on
+        the thread (their rows must follow them); statistics alone go to the writer process,
+        which is started now rather than on the model's first job."""
+        with self._route:
+            if expected:
+                self._leave_process()
+            elif self._process and not self._closed:
+                if self._threaded:
+                    self._flush_here()  # the process must not write beside the thread
+                    self._threaded = False
+                self._ensure_sidecar()
+
+    def _send(self, job: TensorFileJob | JsonJob | RowsJob) -> bool:
+        """(Holding `_route`.) Send `job` to the writer process; False when it must go to the
+        thread instead (from now on)."""
+        if type(job) is TensorFileJob or getattr(job, "ready", None) is not None:
+            self._leave_process()
+            return False
+        side = self._sidecar or self._ensure_sidecar()
+        if side is None:
+            return False
+        if self._failed or side.failed or self._closed:
+            return True  # dropped, as the thread drops it
+        try:
+            side.put(job, job.size)
+        except sidecar.SidecarStalled as exc:
+            self._stop(str(exc))
+        except sidecar.SidecarDied as exc:
+            self._lost(side, exc)
+            return False
+        return True
+
+    def _ensure_sidecar(self) -> sidecar.Sidecar | None:
+        """(Holding `_route`.) The writer process, started now if it is not running; None
+        (and the thread from now on) when it cannot start."""
+        if self._sidecar is None:
+            try:
+                self._sidecar = sidecar.Sidecar(self.tree.root, self.capacity,
+                                                self.stall_seconds)
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:
+                self._process, self._threaded = False, True
+                log.warn_once("writer-process", f"cannot start a writer process ({exc}); "
+                              "this process writes its files itself", self._warned)
+        return self._sidecar
+
+    def _leave_process(self) -> None:
+        """(Holding `_route`.) From now on jobs go to the thread: the process finishes what it
+        was sent first, then ends."""
+        self._threaded = True
+        side = self._sidecar
+        if side is None:
+            return
+        try:
+            side.close()
+        finally:
+            self._retire(side)
+
+    def _retire(self, side: sidecar.Sidecar) -> None:
+        """(Holding `_route`.) Keep what the ended process wrote in this writer's counters."""
+        files, nbytes, skipped, error = side.counters()
+        own = self._stats  # the thread writes nothing while the process is the route
+        self._stats = WriterStats(own.files_written + files, own.bytes_written + nbytes,
+                                  own.bytes_queued, own.files_skipped + skipped,
+                                  own.last_error or error)
+        self._failed = self._failed or side.failed
+        self._sidecar = None
+
+    def _lost(self, side: sidecar.Sidecar, exc: Exception) -> None:
+        """(Holding `_route`.) The writer process is gone: say what was lost, then write
+        here."""
+        lost = side.queued()
+        side.forget()
+        self._retire(side)
+        self._process, self._threaded = False, True
+        if side.ready:
+            message = f"{exc}; {lost} bytes it had not written are lost, and this process " \
+                      "writes the rest itself"
+        else:
+            message = f"{exc}; this process writes its files itself"
+        self._stats.last_error = message
+        (log.error_once if side.ready else log.warn_once)("writer-process", message,
+                                                          self._warned)
 
     # -- writer thread ------------------------------------------------------------------------
 
@@ -358,15 +513,15 @@ class Writer:
                     with self._cond:  # written when due: see the wait above
                         # It waited for the queue's delay already, unless a tensor file
                         # cut that short: its batch does not wait for it again.
-                        self._rows.add(job, 0.0, ROWS_DELAY if self._jobs_due else 0.0)
-                elif not self.failed:
+                        self._rows.add(job, 0.0, self.rows_delay if self._jobs_due else 0.0)
+                elif not self._failed:
                     self._write_job(job)
             except Exception as exc:  # the writer must never die silently
                 self._fail(exc, self._where(job))
             finally:
                 with self._cond:
                     if job is not None:
-                        self.stats.bytes_queued -= job.size - batched
+                        self._stats.bytes_queued -= job.size - batched
                     self._busy = False
                     self._last_progress = time.monotonic()
                     self._cond.notify_all()
@@ -374,7 +529,7 @@ class Writer:
     def _wait_for(self, due: float) -> float:
         """Seconds until what is due at `due` must be written (0: now, while a thread waits
         for the writer or it is closing or has failed)."""
-        if self._urgent or self._closed or self.failed:
+        if self._urgent or self._closed or self._failed:
             return 0
         return due - time.monotonic()
 
@@ -393,12 +548,12 @@ class Writer:
                     _unname(job)
                     return
                 self.tree.write_file(rel_dir, name, chunks)
-                self.stats.files_written += 1
-                self.stats.bytes_written += nbytes
+                self._stats.files_written += 1
+                self._stats.bytes_written += nbytes
             else:
                 data = jsontext.dumps(job.doc).encode("utf-8")
-                self.stats.bytes_written += self.tree.write_file(rel_dir, name, [data])
-                self.stats.files_written += 1
+                self._stats.bytes_written += self.tree.write_file(rel_dir, name, [data])
+                self._stats.files_written += 1
         except UnsafePathError as exc:
             if type(job) is TensorFileJob:
                 _unname(job)
@@ -408,10 +563,10 @@ class Writer:
         return self.tree.path(job.rel_dir, job.name) if job else self.tree.root
 
     def _refuse(self, exc: UnsafePathError, rel_dir: str) -> None:
-        self.stats.files_skipped += 1
+        self._stats.files_skipped += 1
         where = exc.filename or self.tree.path(rel_dir)
         message = f"{exc.strerror}: {where}; such files are skipped"
-        self.stats.last_error = message
+        self._stats.last_error = message
         log.warn_once(f"unsafe-path-{exc.errno}", message, self._warned)
 
     # -- csv rows -----------------------------------------------------------------------------
@@ -432,7 +587,7 @@ class Writer:
             try:
                 data = rows.encode(self.tree.path(key[0]))
                 if data:
-                    self.stats.bytes_written += self.tree.append_lines(
+                    self._stats.bytes_written += self.tree.append_lines(
                         key[0], key[1], data, rows.header.encode("utf-8"))
                     with self._cond:
                         self._rows.appended(key, rows, len(data))
@@ -442,12 +597,12 @@ class Writer:
                 error = exc
             finally:
                 self._release(rows)
-            if error is not None and not self.failed:
+            if error is not None and not self._failed:
                 self._fail(error, self.tree.path(*key))
 
     def _release(self, rows: _Rows) -> None:
         with self._cond:
-            self.stats.bytes_queued -= rows.accounted
+            self._stats.bytes_queued -= rows.accounted
             self._cond.notify_all()
 
     # -- free space and failure ---------------------------------------------------------------
@@ -457,10 +612,10 @@ class Writer:
         free = self.tree.free_bytes(rel_dir)
         if free >= need:
             return True
-        self.stats.files_skipped += 1
+        self._stats.files_skipped += 1
         message = (f"only {_size(free)} free under {self.tree.root}; skipping {name} "
                    f"(a tensor file needs {_size(self.min_free)} free plus twice its size)")
-        self.stats.last_error = message
+        self._stats.last_error = message
         log.warn_once("free-space", message + ". Free some space; later files are skipped the "
                       "same way (set ATB_PROBE_MIN_FREE_BYTES to change the reserve).",
                       self._warned)
@@ -480,13 +635,13 @@ class Writer:
     def _stop(self, message: str) -> bool:
         """Stop writing: drop what is queued and say why, once. False if already stopped."""
         with self._cond:
-            if self.failed:
+            if self._failed:
                 return False
-            self.failed = True
-            self.stats.last_error = message
+            self._failed = True
+            self._stats.last_error = message
             dropped = sum(job.size for job in self._jobs)
             self._jobs.clear()
-            self.stats.bytes_queued -= dropped
+            self._stats.bytes_queued -= dropped
             self._cond.notify_all()
         log.error(message)
         return True

@@ -1,0 +1,301 @@
+"""The writer process (record/sidecar.py): statistics-mode files written by another process.
+
+Each test uses the real thing: a `Writer(process=True)` starts `python -I` with the sidecar's
+`serve`, jobs cross a real pipe, and the tests kill, stop, interrupt and fork real processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import atb_probe
+from atb_probe.record import sidecar
+from atb_probe.record.jobs import JsonJob, RowsJob, TensorFileJob
+from atb_probe.record.safefs import SafeTree
+from atb_probe.record.writer import Writer
+from atb_probe.statcsv import HEADER, tensor_path_cell
+
+from conftest import check_dump, generate, probe_lines, tiny_llama
+from harness import config, wait_until
+
+pytestmark = pytest.mark.skipif(not sidecar.available(), reason="needs Linux memfd_create")
+
+
+def side_row(op: str, index: int, path=None) -> tuple:
+    return ("0_1", str(index), op, op, "0", "output", "0", "float", "4", None, path)
+
+
+def jobs(rounds: int = 6) -> list:
+    """What a statistics dump hands the writer: documents and rows, several rounds."""
+    out = []
+    for r in range(rounds):
+        folder = f"data/0_1/{r}"
+        out.append(JsonJob(folder, "tokens.json", {"round": r, "tokens": list(range(r + 3))}))
+        for layer in range(4):
+            out.append(RowsJob(folder, "statistic.csv",
+                               [side_row(f"Layer{layer}", layer * 2 + k) for k in range(2)],
+                               HEADER, 2 * 192))
+            out.append(JsonJob(f"{folder}/Layer{layer}", "op_param.json", {"layer": layer}))
+    return out
+
+
+def tree_of(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def new_writer(tmp_path, name: str = "out", **kw) -> Writer:
+    return Writer(SafeTree(str(tmp_path / name / "atb_dump_data")), min_free=0, process=True,
+                  **kw)
+
+
+def helper_of(writer: Writer) -> subprocess.Popen:
+    assert writer._sidecar is not None, "the jobs did not go to a writer process"
+    return writer._sidecar._proc
+
+
+def test_statistics_files_from_the_writer_process_are_those_the_thread_writes(tmp_path):
+    by_process = new_writer(tmp_path, "process")
+    by_thread = Writer(SafeTree(str(tmp_path / "thread" / "atb_dump_data")), min_free=0)
+    for job in jobs():
+        by_process.put(job)
+        by_thread.put(job)
+    helper = helper_of(by_process)
+    assert helper.pid != os.getpid() and helper.poll() is None
+    assert by_process.flush(60) and by_thread.flush(60)
+    stats = by_process.stats
+    assert (stats.files_written, stats.bytes_queued, stats.last_error) == \
+        (by_thread.stats.files_written, 0, None)
+    assert stats.bytes_written == by_thread.stats.bytes_written
+    assert by_process.close(60) and by_thread.close(60)
+    assert helper.wait(30) == 0  # the process ends once the writer closes
+    written = tree_of(tmp_path / "process")
+    assert written == tree_of(tmp_path / "thread") and len(written) == 6 * 6
+
+
+def test_the_thread_writer_is_kept_when_asked_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATB_PROBE_WRITER", "thread")
+    writer = new_writer(tmp_path)
+    writer.put(jobs(1)[0])
+    assert writer._sidecar is None
+    assert writer.close(30)
+
+
+def test_a_tensor_file_waits_for_the_process_and_keeps_everything_after_it_on_the_thread(
+        tmp_path):
+    writer = new_writer(tmp_path)
+    folder = "data/0_1/0"
+    writer.put(RowsJob(folder, "statistic.csv", [side_row("Early", 0)], HEADER, 192))
+    helper = helper_of(writer)
+    cell = tensor_path_cell("Late/output_0.bin")
+    writer.put(TensorFileJob(f"{folder}/Late", "output_0.bin", [b"\x00" * 64], 64 + 256,
+                             row_path=cell))
+    assert writer._sidecar is None and helper.wait(30) == 0  # it was done before the file
+    writer.put(RowsJob(folder, "statistic.csv", [side_row("Late", 1, cell)], HEADER, 192))
+    writer.put(JsonJob(folder, "tokens.json", {"after": True}))  # stays on the thread too
+    assert writer._sidecar is None
+    assert writer.close(60)
+    root = tmp_path / "out" / "atb_dump_data"
+    lines = (root / folder / "statistic.csv").read_text().splitlines()
+    assert [line.split(",")[2] for line in lines[1:]] == ["Early", "Late"]
+    assert "output_0.bin" in lines[2]
+    assert writer.stats.files_written == 2  # the .bin and tokens.json (csv appends: bytes)
+
+
+def test_a_killed_writer_process_is_said_once_and_this_process_writes_the_rest(tmp_path,
+                                                                                capfd):
+    writer = new_writer(tmp_path)
+    before = jobs(2)
+    for job in before:
+        writer.put(job)
+    assert writer.flush(60)
+    helper = helper_of(writer)
+    helper.kill()
+    helper.wait(30)
+    after = jobs(4)[len(before):]
+    for job in after:
+        writer.put(job)
+    assert writer._sidecar is None
+    assert writer.flush(60) and not writer.failed
+    errors = probe_lines(capfd.readouterr().err, "ERROR")
+    assert len(errors) == 1 and "killed by signal 9" in errors[0] and \
+        "writes the rest itself" in errors[0], errors
+    assert writer.stats.files_written == 4 * 5  # JSON files; the process's counts are kept
+    assert "killed by signal 9" in writer.stats.last_error
+    assert writer.close(30)
+    check_dump(tmp_path / "out" / "atb_dump_data")
+
+
+def test_what_a_killed_model_process_handed_over_is_still_written(tmp_path):
+    """The model's process dies at once (SIGKILL) after queueing: the writer process reads to
+    the end of its pipe and writes it all."""
+    root = tmp_path / "atb_dump_data"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from atb_probe.record.jobs import JsonJob
+        from atb_probe.record.safefs import SafeTree
+        from atb_probe.record.writer import Writer
+        w = Writer(SafeTree({str(root)!r}), min_free=0, process=True)
+        for i in range(300):
+            w.put(JsonJob("data/0_1/%d" % (i % 30), "doc%d.json" % i, {{"i": i}}))
+        print(w._sidecar._proc.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    helper = int(done.stdout.split()[0])
+    wait_until(lambda: not os.path.exists(f"/proc/{helper}") or
+               open(f"/proc/{helper}/stat").read().split()[2] == "Z", 60,
+               "the writer process to end")
+    files = sorted(root.rglob("doc*.json"))
+    assert len(files) == 300
+    assert {json.loads(p.read_text())["i"] for p in files} == set(range(300))
+    assert not list(root.rglob(".*.tmp"))
+
+
+def test_a_stopped_writer_process_holds_the_producer_back_then_stops_the_dump(tmp_path,
+                                                                                capfd):
+    """Back-pressure across the pipe: what is sent and not written stays within the queue's
+    bytes; a process that takes nothing for the stall timeout stops the dump, and the
+    producer goes on."""
+    writer = new_writer(tmp_path, queue_bytes=8 * 4096, stall_seconds=1.0)
+    writer.put(JsonJob("data", "first.json", {}))
+    assert writer.flush(60)
+    helper = helper_of(writer)
+    os.kill(helper.pid, signal.SIGSTOP)
+    try:
+        most = 0
+        for i in range(40):  # 40 documents of 4096 accounted bytes each: 5 queues' worth
+            writer.put(JsonJob("data", f"doc{i}.json", {"i": i}))
+            most = max(most, writer.pending())
+        assert writer.failed
+        assert most <= 8 * 4096
+        assert "took nothing for" in writer.stats.last_error
+        errors = probe_lines(capfd.readouterr().err, "ERROR")
+        assert len(errors) == 1 and "dumping stopped so the model can go on" in errors[0]
+    finally:
+        os.kill(helper.pid, signal.SIGCONT)
+    writer.close(30)
+    assert helper.wait(30) is not None
+
+
+def test_a_refused_path_in_the_writer_process_is_skipped_with_one_warning(tmp_path, capfd):
+    root = tmp_path / "out" / "atb_dump_data"
+    (root / "data").mkdir(parents=True)
+    os.symlink(tmp_path, root / "data" / "planted")
+    writer = new_writer(tmp_path)
+    writer.put(JsonJob("data/planted", "a.json", {}))
+    writer.put(JsonJob("data/planted", "b.json", {}))
+    writer.put(JsonJob("data/fine", "c.json", {}))
+    assert writer.flush(60)
+    stats = writer.stats
+    assert (stats.files_written, stats.files_skipped) == (1, 2)
+    assert "symbolic link" in stats.last_error
+    warnings = probe_lines(capfd.readouterr().err, "WARNING")
+    assert len(warnings) == 1 and "symbolic link" in warnings[0]
+    assert not writer.failed and writer.close(30)
+    assert not (tmp_path / "a.json").exists()
+
+
+def test_an_interrupt_sent_to_the_writer_process_does_not_stop_it(tmp_path):
+    """Ctrl-C reaches the whole process group: the model's process decides what happens,
+    and its writer process keeps writing until it is closed."""
+    writer = new_writer(tmp_path)
+    writer.put(JsonJob("data", "before.json", {}))
+    helper = helper_of(writer)
+    os.kill(helper.pid, signal.SIGINT)
+    os.kill(helper.pid, signal.SIGTERM)
+    writer.put(JsonJob("data", "after.json", {}))
+    assert writer.flush(60) and helper.poll() is None
+    assert writer.close(30)
+    assert {p.name for p in (tmp_path / "out" / "atb_dump_data" / "data").iterdir()} == \
+        {"before.json", "after.json"}
+
+
+def test_a_forked_child_writes_through_a_writer_process_of_its_own(tmp_path):
+    writer = new_writer(tmp_path)
+    writer.put(JsonJob("data", "parent-before.json", {}))
+    assert writer.flush(60)
+    parent_helper = helper_of(writer).pid
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its own process wrote its file
+        code = 1
+        try:
+            writer.reset_after_fork()
+            writer.put(JsonJob("data", "child.json", {"pid": os.getpid()}))
+            own = writer._sidecar._proc.pid
+            code = 0 if writer.close(60) and own != parent_helper else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    writer.put(JsonJob("data", "parent-after.json", {}))
+    assert helper_of(writer).pid == parent_helper
+    assert writer.close(60)
+    assert {p.name for p in (tmp_path / "out" / "atb_dump_data" / "data").iterdir()} == \
+        {"parent-before.json", "child.json", "parent-after.json"}
+
+
+def test_a_full_disk_under_a_statistics_dump_stops_it_with_one_error(mount_fs, monkeypatch,
+                                                                     capfd):
+    """ENOSPC for real in the writer process (the tmpfs runs out of inodes): one message,
+    the model's output unchanged, only whole files and lines on disk."""
+    fs = mount_fs("tmpfs", "size=16m,nr_inodes=25")  # 6 new tokens need 35
+    model = tiny_llama()
+    expected = generate(model, new_tokens=10)
+    atb_probe.enable(str(fs.path), config(task="statistics", save_child=True))
+    try:
+        got = generate(model, new_tokens=10)
+        probe = atb_probe._probe
+        assert probe.writer._sidecar is not None, "statistics went to the thread"
+        wait_until(lambda: probe.writer.failed, 60, "the writer process to fail")
+    finally:
+        atb_probe.disable(timeout=60)
+    assert torch.equal(got, expected)
+    err = capfd.readouterr().err
+    errors = probe_lines(err, "ERROR")
+    assert len(errors) == 1 and "disk full" in errors[0] and "dumping stopped" in errors[0], err
+    assert "Traceback" not in err
+    check_dump(fs.path / "atb_dump_data")
+
+
+def test_a_probe_dumping_statistics_uses_the_writer_process_and_tensors_do_not(tmp_path):
+    model = tiny_llama()
+    for task, process in (("statistics", True), ("tensor", False)):
+        with atb_probe.enabled(str(tmp_path / task), config(task=task)):
+            generate(model)
+            writer = atb_probe._probe.writer
+            assert (writer._sidecar is not None) == process
+            assert writer._threaded is not process
+        check_dump(tmp_path / task / "atb_dump_data")
+
+
+def test_several_producers_share_the_writer_process(tmp_path):
+    writer = new_writer(tmp_path)
+
+    def produce(k: int) -> None:
+        for i in range(100):
+            writer.put(RowsJob("data/0_1/0", "statistic.csv", [side_row(f"T{k}", i)],
+                               HEADER, 192))
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert writer.close(60)
+    lines = (tmp_path / "out" / "atb_dump_data" / "data" / "0_1" / "0" /
+             "statistic.csv").read_text().splitlines()
+    assert len(lines) == 1 + 400
+    for k in range(4):  # each producer's rows in its own order
+        mine = [int(line.split(",")[1]) for line in lines[1:] if line.split(",")[2] == f"T{k}"]
+        assert mine == list(range(100))
