@@ -211,7 +211,9 @@ def test_an_interrupt_sent_to_the_writer_process_does_not_stop_it(tmp_path):
     and its writer process keeps writing until it is closed."""
     writer = new_writer(tmp_path)
     writer.put(JsonJob("data", "before.json", {}))
+    assert writer.flush(60)  # it runs, and has set what it does with signals
     helper = helper_of(writer)
+    assert os.getpgid(helper.pid) == helper.pid  # not in the terminal's foreground group
     os.kill(helper.pid, signal.SIGINT)
     os.kill(helper.pid, signal.SIGTERM)
     writer.put(JsonJob("data", "after.json", {}))

@@ -77,7 +77,9 @@ class Sidecar:
         self.capacity = capacity
         self.stall_seconds = stall_seconds
         self.sent = 0          # accounted bytes handed to the process
-        self.ready = False     # the process said it runs (`_await_ready`)
+        self.ready = False     # the process said it runs (`_poll_ready`)
+        self.early: list = []  # the jobs sent before it did: for the thread if it never does
+        self.broken = False    # a frame was cut short (a stall): nothing more can be sent
         self._started = time.monotonic()
         self._lock = threading.Lock()
         self._seq = 0
@@ -95,7 +97,7 @@ class Sidecar:
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-c", _BOOT, package_parent, self.root, str(memfd)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(memfd,),
-            close_fds=True)
+            close_fds=True, process_group=0)  # a Ctrl-C or a group's SIGTERM is for the model
         self._out = self._proc.stdin.fileno()
         self._ack = self._proc.stdout.fileno()
         try:
@@ -138,30 +140,36 @@ class Sidecar:
         `SidecarDied` when the process is gone (nothing more can be sent to it)."""
         data = pickle.dumps(job, protocol=5)
         with self._lock:
-            if not self.ready:
-                self._await_ready()
+            early = not self._poll_ready()
             if self.sent - self.done and self.sent - self.done + size > self.capacity:
                 self._wait_for_room(size)
             self._send(_FRAME.pack(len(data)) + data)
             self.sent += size
+            if early:
+                self.early.append(job)  # given back if the process cannot start
+
+    def _poll_ready(self, timeout: float = 0.0) -> bool:
+        """Whether the process has said it runs (its first byte), waiting at most `timeout`
+        s. It starts with the writer and takes some 30 ms to import what it needs; jobs sent
+        meanwhile wait in the pipe, and `early` keeps them until it has said so. Raises
+        `SidecarDied` when it ended first."""
+        if self.ready:
+            return True
+        if select.select([self._ack], [], [], timeout)[0]:
+            if os.read(self._ack, 1) != _READY:
+                self._proc.wait()
+                raise SidecarDied(self._why_gone(settle=False))
+            self.ready, self.early = True, []
+        return self.ready
 
     def _await_ready(self, timeout: float = 60.0) -> None:
-        """Wait for the process's first byte (it was started with the writer, so it has
-        usually said it long before the first job): nothing is sent to a process that could
-        not start, and nothing is lost when it cannot."""
         deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or select.select([self._ack], [], [], min(left, 0.5))[0]:
-                break
+        while not self._poll_ready(min(0.5, max(0.0, deadline - time.monotonic()))):
             self._check_alive()
-        byte = os.read(self._ack, 1) if left > 0 else b""
-        if byte != _READY:
-            if self._proc.poll() is None:
+            if time.monotonic() > deadline:
                 self._proc.kill()
-            self._proc.wait()
-            raise SidecarDied(self._why_gone())
-        self.ready = True
+                self._proc.wait()
+                raise SidecarDied(self._why_gone())
 
     def _wait_for_room(self, size: int) -> None:
         pause = 0.0005
@@ -184,7 +192,14 @@ class Sidecar:
         if self._proc.poll() is not None:
             raise SidecarDied(self._why_gone())
 
-    def _why_gone(self) -> str:
+    def _why_gone(self, settle: bool = True) -> str:
+        """What became of the process (it has ended); whether it had started is settled
+        first: its first byte may still wait in the pipe."""
+        if settle and not self.ready:
+            try:
+                self._poll_ready()
+            except (SidecarDied, OSError, ValueError):
+                pass
         code = self._proc.returncode
         if not self.ready:
             how = "could not import the probe" if code == _CANNOT_START else \
@@ -196,19 +211,25 @@ class Sidecar:
         return f"the writer process (pid {self._proc.pid}) {how}"
 
     def _send(self, frame: bytes) -> None:
+        if self.broken:
+            raise SidecarStalled("the writer process was given up on")
         view = memoryview(frame)
-        while view:
-            try:
-                n = os.write(self._out, view)
-            except BlockingIOError:
-                self._check_alive()
-                self._check_stall()
-                select.select([], [self._out], [], 0.1)
-                continue
-            except (BrokenPipeError, OSError) as exc:
-                self._proc.poll()
-                raise SidecarDied(self._why_gone()) from exc
-            view = view[n:]
+        try:
+            while view:
+                try:
+                    n = os.write(self._out, view)
+                except BlockingIOError:
+                    self._check_alive()
+                    self._check_stall()
+                    select.select([], [self._out], [], 0.1)
+                    continue
+                except OSError as exc:  # EPIPE: nobody reads any more
+                    self._proc.poll()
+                    raise SidecarDied(self._why_gone()) from exc
+                view = view[n:]
+        except SidecarDied:
+            self.broken = len(view) != len(frame)
+            raise
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything sent is on disk; False when `timeout` ran out first. Raises
@@ -217,6 +238,8 @@ class Sidecar:
         with self._lock:
             if self.sent == self.done:
                 return True
+            if self.broken:
+                return False
             if not self.ready:
                 self._await_ready()
             self._seq += 1
@@ -246,20 +269,21 @@ class Sidecar:
         """Flush (at most `timeout` s), then end the process: it exits by itself once its
         stdin closes, with nothing left to write (nobody waits for that). When it did not
         finish in time it is killed, as a writer thread dies with its process (a file it was
-        writing stays under its hidden temporary name)."""
+        writing stays under its hidden temporary name). Raises `SidecarDied` when it was
+        gone already."""
+        done = False
         try:
             done = self.flush(timeout)
-        except SidecarDied:
-            done = False
-        for stream in (self._proc.stdin, self._proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
-        if not done and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        return done
+            return done
+        finally:
+            for stream in (self._proc.stdin, self._proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+            if not done and self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
 
     def forget(self) -> None:
         """In a forked child: let go of the parent's process without touching it."""
@@ -296,7 +320,7 @@ def serve(root: str, memfd: int) -> None:
     state.publish()
     source = sys.stdin.buffer.raw
     out = sys.stdout.buffer.raw
-    out.write(_READY)
+    _tell(out, _READY)
     publisher = threading.Thread(target=state.keep_publishing, daemon=True)
     publisher.start()
     try:
@@ -310,7 +334,7 @@ def serve(root: str, memfd: int) -> None:
             if frame[:1] == _FLUSH:
                 writer.flush()
                 state.publish()
-                out.write(frame[1:9])
+                _tell(out, frame[1:9])
                 continue
             job = pickle.loads(frame)
             state.received(job.size)
@@ -380,6 +404,15 @@ class _Published:
     def stop(self) -> None:
         self._stop.set()
         self._work.set()
+
+
+def _tell(out, data: bytes) -> None:
+    """Say something to the model's process; it may be gone (killed), and what it sent is
+    written all the same."""
+    try:
+        out.write(data)
+    except OSError:
+        pass
 
 
 def _read_exactly(source, n: int) -> bytes | None:

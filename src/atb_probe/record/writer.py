@@ -332,11 +332,14 @@ class Writer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._route:
             side = self._sidecar
+            side_done = True
             if side is not None:
-                side_done = side.close(timeout)
-                self._retire(side)
-            else:
-                side_done = True
+                try:
+                    side_done = side.close(timeout)
+                except sidecar.SidecarDied as exc:
+                    self._lost(side, exc)
+                else:
+                    self._retire(side)
             done = self._flush_here(None if deadline is None else
                                     max(0.0, deadline - time.monotonic()))
             with self._cond:
@@ -347,7 +350,7 @@ class Writer:
             self.tree.give_up()
         else:
             self.tree.close()
-        return done and (side_done or side is None)
+        return done and side_done
 
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's queue, thread and process, and write through
@@ -418,7 +421,9 @@ class Writer:
             return
         try:
             side.close()
-        finally:
+        except sidecar.SidecarDied as exc:
+            self._lost(side, exc)
+        else:
             self._retire(side)
 
     def _retire(self, side: sidecar.Sidecar) -> None:
@@ -443,6 +448,8 @@ class Writer:
                       "writes the rest itself"
         else:
             message = f"{exc}; this process writes its files itself"
+            for job in side.early:  # it never read them
+                self._put_here(job)
         self._stats.last_error = message
         (log.error_once if side.ready else log.warn_once)("writer-process", message,
                                                           self._warned)
