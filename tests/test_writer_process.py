@@ -89,6 +89,23 @@ def test_the_thread_writer_is_kept_when_asked_for(tmp_path, monkeypatch):
     assert writer.close(30)
 
 
+def nice_of(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.parametrize("setting, expected", [(None, 19), ("7", 7), ("0", None)])
+def test_the_writer_process_runs_at_the_writer_nice_value(tmp_path, monkeypatch, setting,
+                                                          expected):
+    if setting is not None:
+        monkeypatch.setenv("ATB_PROBE_WRITER_NICE", setting)
+    writer = new_writer(tmp_path)
+    writer.put(jobs(1)[0])
+    assert writer.flush(60)  # it runs, and has set its priority
+    assert nice_of(helper_of(writer).pid) == (nice_of(os.getpid()) if expected is None
+                                              else max(expected, nice_of(os.getpid())))
+    assert writer.close(30)
+
+
 def test_a_tensor_file_waits_for_the_process_and_keeps_everything_after_it_on_the_thread(
         tmp_path):
     writer = new_writer(tmp_path)
@@ -251,6 +268,7 @@ def test_a_full_disk_under_a_statistics_dump_stops_it_with_one_error(mount_fs, m
                                                                      capfd):
     """ENOSPC for real in the writer process (the tmpfs runs out of inodes): one message,
     the model's output unchanged, only whole files and lines on disk."""
+    monkeypatch.setenv("ATB_PROBE_WRITER", "process")
     fs = mount_fs("tmpfs", "size=16m,nr_inodes=25")  # 6 new tokens need 35
     model = tiny_llama()
     expected = generate(model, new_tokens=10)
@@ -270,7 +288,9 @@ def test_a_full_disk_under_a_statistics_dump_stops_it_with_one_error(mount_fs, m
     check_dump(fs.path / "atb_dump_data")
 
 
-def test_a_probe_dumping_statistics_uses_the_writer_process_and_tensors_do_not(tmp_path):
+def test_a_probe_dumping_statistics_uses_the_writer_process_and_tensors_do_not(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("ATB_PROBE_WRITER", "process")
     model = tiny_llama()
     for task, process in (("statistics", True), ("tensor", False)):
         with atb_probe.enabled(str(tmp_path / task), config(task=task)):
@@ -301,3 +321,25 @@ def test_several_producers_share_the_writer_process(tmp_path):
     for k in range(4):  # each producer's rows in its own order
         mine = [int(line.split(",")[1]) for line in lines[1:] if line.split(",")[2] == f"T{k}"]
         assert mine == list(range(100))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_by_default_the_probe_uses_a_writer_process_only_where_the_model_leaves_a_core(
+        tmp_path, monkeypatch):
+    """`auto`: a process at the lowest priority only writes while a core is idle; where the
+    model's threads take them all it would write after the generation, slower than the
+    thread."""
+    monkeypatch.delenv("ATB_PROBE_WRITER", raising=False)
+    model = tiny_llama()
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        for n, process in ((cores, False), (cores - 1, True)):
+            torch.set_num_threads(n)
+            with atb_probe.enabled(str(tmp_path / str(n)), config(task="statistics")):
+                generate(model)
+                writer = atb_probe._probe.writer
+                assert (writer._sidecar is not None) == process, n
+            check_dump(tmp_path / str(n) / "atb_dump_data")
+    finally:
+        torch.set_num_threads(threads)

@@ -57,7 +57,7 @@ class Probe:
         self.output = os.path.abspath(output)
         self.config_path = os.path.abspath(config_path) if config_path else None
         self.tree = SafeTree(layout.dump_root(self.output))
-        self.writer = Writer(self.tree, process=True)
+        self.writer = Writer(self.tree, process=self._writer_process_helps)
         self.config: DumpConfig | None = None
         self.selection: Selection | None = None
         self.config_applied_at: str | None = None
@@ -93,6 +93,13 @@ class Probe:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()  # wakes the background thread before its next poll
+
+    def _writer_process_helps(self) -> bool:
+        """Whether a writer process would help (record/sidecar.py): the model leaves a core
+        idle for it. Where the model's threads take every core, a process at the lowest
+        priority writes only once they wait, after the generation, and slower than the
+        thread (docs/performance.md)."""
+        return self.engine is not None and self.engine.leaves_a_core()
 
     @property
     def config_problem(self) -> str | None:

@@ -25,6 +25,7 @@ stance), so the modules and kernels it would hide are seen; other rounds run it 
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -100,6 +101,16 @@ class Engine:
         self.sleep_requested = False  # uninstall once the running rounds end; no new round
 
     # -- installing -------------------------------------------------------------------------
+
+    @staticmethod
+    def leaves_a_core() -> bool:
+        """Whether torch's CPU threads leave a core of this process's idle: fewer intra-op
+        threads than the cores it may run on."""
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        return torch.get_num_threads() < cores
 
     def install(self) -> None:
         with self._lock:

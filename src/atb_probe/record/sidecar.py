@@ -55,10 +55,17 @@ _BOOT = ("import sys\nsys.path.insert(0, sys.argv[1])\n"
          "serve(sys.argv[2], int(sys.argv[3]))" % _CANNOT_START)
 
 
+def choice() -> str:
+    """`ATB_PROBE_WRITER`: "process" (a statistics dump's files always go to a writer
+    process), "thread" (never), or "auto" (the default, and what any other value means: a
+    process when the model leaves a core idle for it, see `Writer`)."""
+    value = os.environ.get("ATB_PROBE_WRITER", "").strip().lower()
+    return value if value in ("process", "thread") else "auto"
+
+
 def available() -> bool:
     """Whether jobs may go to a writer process here: Linux, unless `ATB_PROBE_WRITER=thread`."""
-    choice = os.environ.get("ATB_PROBE_WRITER", "").strip().lower()
-    return choice != "thread" and sys.platform.startswith("linux") and \
+    return choice() != "thread" and sys.platform.startswith("linux") and \
         hasattr(os, "memfd_create")
 
 

@@ -36,6 +36,13 @@ file is skipped, so that row says N/A. The writer imports no torch and calls not
 capture side; the only thing it waits for is a job's `ready`: a `Landed` of accelerator copies,
 which the capture side's landing thread completes (capture/landing.py).
 
+A writer made with `process=True` (the probe's) sends a `statistics` dump's jobs to a writer
+process instead (record/sidecar.py: `python -I`, running a writer of this class with a short
+rows delay), where they cost the model neither the GIL nor a wait at `flush`. Tensor files and
+jobs that wait for an accelerator copy stay in this process: the first of them waits for the
+process to finish, and the thread is the route from then on (`_route`), so two writers never
+append to one file. `expect_tensor_files` sets the route from the config, off the model thread.
+
 `_cond` guards what producers and the writer thread share: the job queue, the csv batches
 waiting (`RowBatches`), `stats.bytes_queued`, `failed` and closed, the busy and urgent flags and
 the time of the last progress. The other counters of `stats` are written by the writer thread
@@ -169,7 +176,7 @@ class Writer:
 
     def __init__(self, tree: SafeTree, queue_bytes: int = DEFAULT_QUEUE_BYTES,
                  min_free: int | None = None, stall_seconds: float | None = None,
-                 rows_delay: float = ROWS_DELAY, process: bool = False):
+                 rows_delay: float = ROWS_DELAY, process=False):
         self.tree = tree
         self.capacity = queue_bytes
         self.min_free = _min_free_from_env() if min_free is None else min_free
@@ -179,7 +186,10 @@ class Writer:
         self._failed = False
         self._warned: set[str] = set()  # this writer's warn-once keys (log.warn_once)
         # Where small jobs go (record/sidecar.py): a writer process while `_threaded` is False.
-        self._process = process and sidecar.available()
+        # `process`: False, True, or a function saying whether one would help (asked when one
+        # is about to start, unless ATB_PROBE_WRITER says "process").
+        self._process = bool(process) and sidecar.available()
+        self._helps = process if callable(process) else None
         self._threaded = not self._process
         self._sidecar: sidecar.Sidecar | None = None
         self._route = threading.Lock()  # the route and what is sent along it, in one step
@@ -369,15 +379,13 @@ class Writer:
     def expect_tensor_files(self, expected: bool) -> None:
         """What the dump now asks for (the config just applied): tensor files keep every job on
         the thread (their rows must follow them); statistics alone go to the writer process,
-        which is started now rather than on the model's first job."""
+        started at the first job where it helps."""
         with self._route:
             if expected:
                 self._leave_process()
-            elif self._process and not self._closed:
-                if self._threaded:
-                    self._flush_here()  # the process must not write beside the thread
-                    self._threaded = False
-                self._ensure_sidecar()
+            elif self._process and not self._closed and self._threaded:
+                self._flush_here()  # the process must not write beside the thread
+                self._threaded = False
 
     def _send(self, job: TensorFileJob | JsonJob | RowsJob) -> bool:
         """(Holding `_route`.) Send `job` to the writer process; False when it must go to the
@@ -403,6 +411,9 @@ class Writer:
         """(Holding `_route`.) The writer process, started now if it is not running; None
         (and the thread from now on) when it cannot start."""
         if self._sidecar is None:
+            if self._helps is not None and sidecar.choice() == "auto" and not self._helps():
+                self._threaded = True  # until a config asks for statistics again
+                return None
             try:
                 self._sidecar = sidecar.Sidecar(self.tree.root, self.capacity,
                                                 self.stall_seconds)
