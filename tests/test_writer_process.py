@@ -77,6 +77,8 @@ def test_statistics_files_from_the_writer_process_are_those_the_thread_writes(tm
     assert stats.bytes_written == by_thread.stats.bytes_written
     assert by_process.close(60) and by_thread.close(60)
     assert helper.wait(30) == 0  # the process ends once the writer closes
+    by_process.put(jobs(1)[0])  # a job after the close is dropped, as the thread drops it
+    assert by_process._sidecar is None and by_process.pending() == 0
     written = tree_of(tmp_path / "process")
     assert written == tree_of(tmp_path / "thread") and len(written) == 6 * 6
 

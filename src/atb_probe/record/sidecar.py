@@ -24,7 +24,11 @@ SIGTERM (they are its parent's to handle: the parent flushes and closes) and end
 closes, after writing everything it was sent: a killed parent loses nothing it had handed over.
 
 Jobs that wait for an accelerator copy and tensor files are never sent: the writer keeps those
-on its thread (writer.py). Linux only (a shared memory page from `memfd_create`).
+on its thread (writer.py). By default (`ATB_PROBE_WRITER=auto`) the probe starts a process only
+where the model leaves a core idle for it: where the model's threads take every core, a process
+at the lowest priority writes only once they wait, after the generation, and then costs more
+than the thread (it unpickles what the thread has at hand). Linux only (a shared memory page
+from `memfd_create`).
 """
 from __future__ import annotations
 

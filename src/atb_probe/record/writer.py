@@ -390,14 +390,16 @@ class Writer:
     def _send(self, job: TensorFileJob | JsonJob | RowsJob) -> bool:
         """(Holding `_route`.) Send `job` to the writer process; False when it must go to the
         thread instead (from now on)."""
+        if self._failed or self._closed:
+            return True  # dropped, as the thread drops it (no process started for it)
         if type(job) is TensorFileJob or getattr(job, "ready", None) is not None:
             self._leave_process()
             return False
         side = self._sidecar or self._ensure_sidecar()
         if side is None:
             return False
-        if self._failed or side.failed or self._closed:
-            return True  # dropped, as the thread drops it
+        if side.failed:
+            return True
         try:
             side.put(job, job.size)
         except sidecar.SidecarStalled as exc:
