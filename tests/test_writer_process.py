@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,21 @@ def test_a_stopped_writer_process_holds_the_producer_back_then_stops_the_dump(tm
         os.kill(helper.pid, signal.SIGCONT)
     writer.close(30)
     assert helper.wait(30) is not None
+
+
+def test_back_pressure_after_a_long_idle_time_is_not_taken_for_a_stuck_writer_process(
+        tmp_path, capfd):
+    writer = new_writer(tmp_path, queue_bytes=4 * 4096, stall_seconds=0.3)
+    writer.put(JsonJob("data", "first.json", {}))
+    assert writer.flush(30)
+    # Idle for longer than the stall timeout: only time passing is under test here, and
+    # nothing shows that it has, so this sleep stays.
+    time.sleep(0.6)
+    for i in range(40):  # 40 documents through a queue of 4: the producer waits
+        writer.put(JsonJob("data", f"doc{i}.json", {"i": i}))
+    assert writer.close(30)
+    assert not writer.failed and len(os.listdir(tmp_path / "out" / "atb_dump_data" / "data")) == 41
+    assert probe_lines(capfd.readouterr().err, "ERROR") == []
 
 
 def test_a_refused_path_in_the_writer_process_is_skipped_with_one_warning(tmp_path, capfd):

@@ -46,7 +46,8 @@ import time
 
 PROCESS_ROWS_DELAY = 0.01
 _PAGE = 4096
-_COUNTERS = struct.Struct("<8q")   # done, files, bytes, skipped, failed, progress_ns, error_len, seq
+# done (accounted bytes), files, bytes, skipped, failed, progress_ns, error_len, error seq
+_COUNTERS = struct.Struct("<8q")
 _ERROR_AT = _COUNTERS.size
 _FRAME = struct.Struct("<I")
 _FLUSH = b"F"                      # a flush marker frame: b"F" + 8-byte sequence number
@@ -91,7 +92,7 @@ class Sidecar:
         self.ready = False     # the process said it runs (`_poll_ready`)
         self.early: list = []  # the jobs sent before it did: for the thread if it never does
         self.broken = False    # a frame was cut short (a stall): nothing more can be sent
-        self._started = time.monotonic()
+        self._idle_at = time.monotonic()  # when it last had nothing to do, as seen here
         self._lock = threading.Lock()
         self._seq = 0
         memfd = os.memfd_create("atb-probe-writer", os.MFD_CLOEXEC)
@@ -152,7 +153,10 @@ class Sidecar:
         data = pickle.dumps(job, protocol=5)
         with self._lock:
             early = not self._poll_ready()
-            if self.sent - self.done and self.sent - self.done + size > self.capacity:
+            queued = self.sent - self.done
+            if not queued:
+                self._idle_at = time.monotonic()  # idle time before a burst is no stall
+            elif queued + size > self.capacity:
                 self._wait_for_room(size)
             self._send(_FRAME.pack(len(data)) + data)
             self.sent += size
@@ -194,7 +198,7 @@ class Sidecar:
             pause = min(0.02, pause * 2)
 
     def _check_stall(self) -> None:
-        idle = time.monotonic() - max(self._started, self._counters()[5] / 1e9)
+        idle = time.monotonic() - max(self._idle_at, self._counters()[5] / 1e9)
         if idle > self.stall_seconds:
             raise SidecarStalled(f"the disk under {self.root} took nothing for {idle:.0f} s; "
                                  "dumping stopped so the model can go on")
