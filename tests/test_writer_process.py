@@ -109,6 +109,17 @@ def test_the_writer_process_runs_at_the_writer_nice_value(tmp_path, monkeypatch,
     assert writer.close(30)
 
 
+def test_an_application_embedding_python_keeps_the_thread_writer(tmp_path, monkeypatch):
+    """`sys.executable` is another program there (a server embedding Python): starting it
+    with `-I -c` would run that program, so the thread writes."""
+    monkeypatch.setattr(sys, "executable", "/usr/sbin/uwsgi")
+    writer = new_writer(tmp_path)
+    for job in jobs(1):
+        writer.put(job)
+    assert writer._sidecar is None and writer.close(30)
+    assert len(tree_of(tmp_path / "out")) == 6
+
+
 def test_a_tensor_file_waits_for_the_process_and_keeps_everything_after_it_on_the_thread(
         tmp_path):
     writer = new_writer(tmp_path)

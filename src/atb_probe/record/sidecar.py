@@ -69,9 +69,12 @@ def choice() -> str:
 
 
 def available() -> bool:
-    """Whether jobs may go to a writer process here: Linux, unless `ATB_PROBE_WRITER=thread`."""
+    """Whether jobs may go to a writer process here: Linux, a Python interpreter to start it
+    with (an application that embeds Python has another program as `sys.executable`), and
+    not `ATB_PROBE_WRITER=thread`."""
     return choice() != "thread" and sys.platform.startswith("linux") and \
-        hasattr(os, "memfd_create")
+        hasattr(os, "memfd_create") and \
+        os.path.basename(sys.executable or "").lower().startswith("python")
 
 
 class SidecarDied(Exception):
