@@ -165,6 +165,21 @@ def test_a_killed_writer_process_is_said_once_and_this_process_writes_the_rest(t
     check_dump(tmp_path / "out" / "atb_dump_data")
 
 
+def test_a_writer_process_that_cannot_start_leaves_the_writing_to_this_process(
+        tmp_path, monkeypatch, capfd):
+    """It ends before it says it runs: the jobs sent to it meanwhile are written by the
+    thread, with one warning, and nothing is lost."""
+    monkeypatch.setattr(sidecar, "_BOOT", "import sys; sys.exit(3)")
+    writer = new_writer(tmp_path)
+    for job in jobs(2):
+        writer.put(job)
+    assert writer.close(60)
+    assert writer._sidecar is None and not writer.failed
+    warnings = probe_lines(capfd.readouterr().err, "WARNING")
+    assert len(warnings) == 1 and "could not import the probe" in warnings[0], warnings
+    assert len(tree_of(tmp_path / "out")) == 2 * 6  # nothing lost
+
+
 def test_what_a_killed_model_process_handed_over_is_still_written(tmp_path):
     """The model's process dies at once (SIGKILL) after queueing: the writer process reads to
     the end of its pipe and writes it all."""
