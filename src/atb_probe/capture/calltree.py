@@ -104,7 +104,7 @@ class Engine:
 
     @staticmethod
     def leaves_a_core() -> bool:
-        """Whether torch's CPU threads leave a core of this process's idle: fewer intra-op
+        """Whether torch's CPU threads leave one of this process's cores idle: fewer intra-op
         threads than the cores it may run on."""
         try:
             cores = len(os.sched_getaffinity(0))
