@@ -84,6 +84,24 @@ def test_statistics_files_from_the_writer_process_are_those_the_thread_writes(tm
     assert written == tree_of(tmp_path / "thread") and len(written) == 6 * 6
 
 
+def test_a_document_pickle_refuses_is_written_as_the_thread_writes_it(tmp_path):
+    """A module's configuration may hold anything (a lambda): JSON writes it as its `str`,
+    and so does the writer process."""
+    def doc():
+        return {"param": {"act": activation, "eps": 1e-5, 3: (1, 2)}, "nan": float("nan")}
+
+    activation = lambda x: x  # noqa: E731 - what pickle refuses
+    by_process = new_writer(tmp_path, "process")
+    by_thread = Writer(SafeTree(str(tmp_path / "thread" / "atb_dump_data")), min_free=0)
+    for writer in (by_process, by_thread):
+        writer.put(JsonJob("data", "op_param.json", doc()))
+    assert helper_of(by_process) and by_process.close(30) and by_thread.close(30)
+    assert not by_process.failed
+    written = tree_of(tmp_path / "process")
+    assert written == tree_of(tmp_path / "thread") and len(written) == 1
+    assert b"<function" in next(iter(written.values()))
+
+
 def test_the_thread_writer_is_kept_when_asked_for(tmp_path, monkeypatch):
     monkeypatch.setenv("ATB_PROBE_WRITER", "thread")
     writer = new_writer(tmp_path)

@@ -32,6 +32,7 @@ from `memfd_create`).
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import pickle
@@ -43,6 +44,8 @@ import sys
 import threading
 import time
 
+from . import jsontext
+from .jobs import JsonJob
 
 PROCESS_ROWS_DELAY = 0.01
 _PAGE = 4096
@@ -153,7 +156,10 @@ class Sidecar:
     def put(self, job, size: int) -> None:
         """Send one job; wait while `size` more bytes would overrun the queue. Raises
         `SidecarDied` when the process is gone (nothing more can be sent to it)."""
-        data = pickle.dumps(job, protocol=5)
+        try:
+            data = pickle.dumps(job, protocol=5)
+        except Exception:  # a document holding what pickle refuses (a lambda in a config)
+            data = pickle.dumps(_as_json_data(job), protocol=5)
         with self._lock:
             early = not self._poll_ready()
             queued = self.sent - self.done
@@ -310,6 +316,14 @@ class Sidecar:
                 stream.close()
             except OSError:
                 pass
+
+
+def _as_json_data(job):
+    """`job`'s document as the plain data its JSON text reads back as, which gives the same
+    text (`default=str` applied here instead of in the process); anything else raises."""
+    if type(job) is not JsonJob:
+        raise TypeError(f"cannot send a {type(job).__name__} to the writer process")
+    return JsonJob(job.rel_dir, job.name, json.loads(jsontext.dumps(job.doc)), job.size)
 
 
 class SidecarStalled(SidecarDied):

@@ -407,6 +407,8 @@ class Writer:
         except sidecar.SidecarDied as exc:
             self._lost(side, exc)
             return False
+        except Exception as exc:  # what the thread could not write either: the same message
+            self._fail(exc, self._where(job))
         return True
 
     def _ensure_sidecar(self) -> sidecar.Sidecar | None:
