@@ -115,7 +115,7 @@ class Sidecar:
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-c", _BOOT, package_parent, self.root, str(memfd)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(memfd,),
-            close_fds=True, process_group=0)  # a Ctrl-C or a group's SIGTERM is for the model
+            close_fds=True, start_new_session=True)  # a Ctrl-C is for the model's process
         self._out = self._proc.stdin.fileno()
         self._ack = self._proc.stdout.fileno()
         try:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -421,7 +420,7 @@ class Writer:
             try:
                 self._sidecar = sidecar.Sidecar(self.tree.root, self.capacity,
                                                 self.stall_seconds)
-            except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            except Exception as exc:  # no process here: the thread writes, as it always did
                 self._process, self._threaded = False, True
                 log.warn_once("writer-process", f"cannot start a writer process ({exc}); "
                               "this process writes its files itself", self._warned)
