@@ -20,6 +20,14 @@ ops; config.json rewritten between them, and the worker's status file read until
 effect), which gives `stat-layer / sleeping` within one engine. Engine start-up
 is not timed. With `--compiled`, vLLM compiles the model (its default): the dumped steps of
 `stat-layer` run eagerly, so its ratio includes what eager costs against compiled.
+
+The sleeping engine also reads the worker's threads' own scheduler counters
+(/proc/PID/task/TID/schedstat, nanoseconds) around each generation: the CPU time each thread
+ran and the time it waited, runnable, for a CPU, asleep against awake. The main thread's added
+CPU time is the probe's cost on the model's path in milliseconds, which moves far less with
+the machine's load than the generation's wall time; added waiting is contention for the cores.
+`ATB_PROBE_WRITER` and `ATB_PROBE_WRITER_NICE` pass to the engines (every other `ATB_*`
+variable is dropped: the load script sets them), so the writer's settings can be compared.
 """
 from __future__ import annotations
 
@@ -51,21 +59,60 @@ def child(args) -> None:
     prompts = [f"prompt {i}: the quick brown fox jumps over the lazy dog" for i in range(PROMPTS)]
     llm.generate(prompts, params, use_tqdm=False)
     times, awake = [], []
+    threads = {False: [], True: []}  # the worker's threads, per generation (`_thread_times`)
     for i in range(args.repeats):
         for wake in ((False, True) if args.alternate else (False,))[::1 if i % 2 else -1]:
+            worker = None
             if args.alternate:
-                _set_awake(args.alternate, wake)
+                worker = _set_awake(args.alternate, wake)
+            before = _thread_times(worker)
             started = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             (awake if wake else times).append(time.perf_counter() - started)
+            threads[wake].append(_difference(_thread_times(worker), before))
     print("TIMES " + json.dumps(times), flush=True)
     if args.alternate:
         print("AWAKE " + json.dumps(awake), flush=True)
+        print("THREADS " + json.dumps({"asleep": threads[False], "awake": threads[True]}),
+              flush=True)
 
 
-def _set_awake(out: str, wake: bool) -> None:
+def _thread_times(pid: int | None) -> dict:
+    """{thread: [ms on a CPU, ms waiting for one]} of each thread of process `pid`, from the
+    scheduler's own nanosecond counters (/proc/PID/task/TID/schedstat), by the thread's name
+    (the main thread as "main"; threads of one name summed); {} where Linux does not tell."""
+    found: dict = {}
+    if pid is None:
+        return found
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run_ns, wait_ns = (int(v) for v in f.read().split()[:2])
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = "main" if tid == str(pid) else f.read().strip()
+        except (OSError, ValueError):
+            continue
+        entry = found.setdefault(name, [0.0, 0.0])
+        entry[0] += run_ns / 1e6
+        entry[1] += wait_ns / 1e6
+    return found
+
+
+def _difference(after: dict, before: dict) -> dict:
+    """What each thread of `after` ran and waited since `before` (threads that started
+    meanwhile count from zero)."""
+    return {name: [round(run - before.get(name, (0.0, 0.0))[0], 2),
+                   round(wait - before.get(name, (0.0, 0.0))[1], 2)]
+            for name, (run, wait) in after.items()}
+
+
+def _set_awake(out: str, wake: bool) -> int | None:
     """Rewrite OUT/config.json and wait until the worker (the process with rounds, else the
-    newest) has it in effect."""
+    newest) has it in effect; its process ID."""
     (Path(out) / "config.json").write_text(json.dumps(_config(wake)))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -75,10 +122,11 @@ def _set_awake(out: str, wake: bool) -> None:
                 docs.append(json.loads(p.read_text()))
             except ValueError:
                 pass
-        docs.sort(key=lambda d: (d.get("rounds_started", 0), d.get("started_at", "")))
+        docs.sort(key=lambda d: (d.get("role") == "worker", d.get("rounds_started", 0),
+                                 d.get("started_at", "")))
         effect = docs[-1].get("config_in_effect") if docs else None
         if (effect or {}).get("dump_enable", False) == wake:
-            return
+            return docs[-1].get("pid")
         time.sleep(0.05)
     raise SystemExit("the worker did not apply the config in 30 s")
 
@@ -100,7 +148,9 @@ def run_case(case: str, args, work: Path) -> tuple[float, float | None]:
     if case != "unprobed":
         command = (f'source "{SCRIPTS}/load_atb_probe.sh" --output="{out}" '
                    f'--config="{out}/config.json" >/dev/null && {command}')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATB_")}
+    # The load script sets the dump's variables; the writer's knobs pass, for A/B runs.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ATB_") or k.startswith("ATB_PROBE_WRITER")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
                VLLM_CACHE_ROOT=str(work / "vllm-cache"), VLLM_NO_USAGE_STATS="1")
     result = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True,
@@ -112,8 +162,35 @@ def run_case(case: str, args, work: Path) -> tuple[float, float | None]:
         rounds = list((out / "atb_dump_data" / "data").glob("*/*/statistic.csv"))
         assert rounds, f"{case} wrote no round"
     awake = [line for line in result.stdout.splitlines() if line.startswith("AWAKE ")]
+    threads = [line for line in result.stdout.splitlines() if line.startswith("THREADS ")]
+    if threads:
+        _THREADS.append(json.loads(threads[-1][len("THREADS "):]))
     return (statistics.median(json.loads(lines[-1][len("TIMES "):])),
             statistics.median(json.loads(awake[-1][len("AWAKE "):])) if awake else None)
+
+
+_THREADS: list = []  # the sleeping engines' worker threads, per engine (`child`)
+
+
+def thread_table(engines: list) -> str:
+    """The worker's threads in the sleeping engines, asleep against awake: the median per
+    generation of the CPU time each ran and of the time it waited, runnable, for a CPU. What
+    the probe adds to the main thread's CPU time is its own work on the model's path (and any
+    op it slows); added waiting is contention for the cores, which moves with the machine."""
+    names = sorted({name for engine in engines for state in engine.values()
+                    for generation in state for name in generation},
+                   key=lambda n: (n != "main", not n.startswith("atb-probe"), n))
+    rows = ["| worker thread | CPU ms asleep | CPU ms awake | waiting ms asleep | "
+            "waiting ms awake |", "| --- | --- | --- | --- | --- |"]
+    for name in names:
+        cells = []
+        for what in (0, 1):
+            for state in ("asleep", "awake"):
+                values = [g.get(name, (0.0, 0.0))[what] for e in engines for g in e[state]]
+                cells.append(f"{statistics.median(values):.1f}" if values else "-")
+        if any(c not in ("0.0", "-") for c in cells):
+            rows.append(f"| {name} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} |")
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -161,6 +238,10 @@ def main() -> None:
     print(f"| stat-layer / sleeping, one engine alternating | "
           f"{statistics.median(same_engine):.2f} "
           f"({min(same_engine):.2f}-{max(same_engine):.2f}) |")
+    if _THREADS and any(e["asleep"] and e["asleep"][0] for e in _THREADS):
+        print("\nThe worker's threads in the sleeping engines, per generation (medians; "
+              "/proc schedstat):\n")
+        print(thread_table(_THREADS))
 
 
 if __name__ == "__main__":
