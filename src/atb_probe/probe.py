@@ -35,6 +35,7 @@ from .process import hooks
 from .process.configwatch import ConfigWatcher
 from .process.identity import local_rank, proc_start
 from .process.role import Role, role_of
+from .process.threadname import name_this_thread
 from .process.statusfile import StatusFile, utc_now
 from .record.safefs import SafeTree
 from .record.writer import Writer
@@ -176,6 +177,7 @@ class Probe:
                      f"until that is saved as true")
 
     def _watch(self) -> None:
+        name_this_thread()
         while not self._stop.is_set():
             # While data is on its way, look often: "nothing queued" shows soon after it is so.
             busy = self.writer.stats.bytes_queued > 0

@@ -16,6 +16,8 @@ import threading
 
 import torch
 
+from ..process.threadname import name_this_thread
+
 # The landing thread ends after this long with no copy to wait for; the next copy starts it again.
 IDLE_SECONDS = 1.0
 
@@ -112,6 +114,7 @@ class Landings:
         self._begin()
 
     def _run(self) -> None:
+        name_this_thread()
         cond = self._cond
         while True:
             with cond:

@@ -30,6 +30,8 @@ import os
 import signal
 import threading
 
+from .threadname import name_this_thread
+
 _open: list = []            # the probes open in this process, oldest first
 _lock = threading.Lock()
 _process_hooks = False      # atexit and fork functions registered (once per process)
@@ -108,10 +110,15 @@ def _after_fork_in_child() -> None:
         probe.after_fork_in_child()
 
 
+def _close_all_named() -> None:
+    name_this_thread()
+    close_all()
+
+
 def _on_sigterm(signum, frame) -> None:
     # The handler runs between two bytecodes of the main thread, which may hold a lock `close`
     # needs: close from another thread, for a bounded time.
-    closer = threading.Thread(target=close_all, name="atb-probe-exit", daemon=True)
+    closer = threading.Thread(target=_close_all_named, name="atb-probe-exit", daemon=True)
     closer.start()
     closer.join(exit_timeout() + 5)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -44,6 +44,7 @@ import sys
 import threading
 import time
 
+from ..process.threadname import name_this_thread
 from . import jsontext
 from .jobs import JsonJob
 
@@ -337,6 +338,7 @@ def serve(root: str, memfd: int) -> None:
     from .safefs import SafeTree
     from .writer import Writer, _nice_from_env
 
+    name_this_thread("atb-writer-proc")  # what `ps` shows for the process
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     nice = _nice_from_env()
@@ -353,7 +355,8 @@ def serve(root: str, memfd: int) -> None:
     source = sys.stdin.buffer.raw
     out = sys.stdout.buffer.raw
     _tell(out, _READY)
-    publisher = threading.Thread(target=state.keep_publishing, daemon=True)
+    publisher = threading.Thread(target=state.keep_publishing, name="atb-probe-publish",
+                                 daemon=True)
     publisher.start()
     try:
         while True:
@@ -424,6 +427,7 @@ class _Published:
 
     def keep_publishing(self) -> None:
         """Publish every few milliseconds while jobs wait; sleep while there are none."""
+        name_this_thread()
         while not self._stop.is_set():
             if self.writer.pending():
                 self._stop.wait(0.005)

@@ -59,6 +59,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .. import log
+from ..process.threadname import name_this_thread
 from ..statcsv import format_request_sides, format_sides, mark_missing
 from . import jsontext, sidecar
 from .jobs import JsonJob, RowsJob, TensorFileJob
@@ -491,6 +492,7 @@ class Writer:
         self._cond.notify_all()
 
     def _run(self, yielding: bool) -> None:
+        name_this_thread()
         if yielding:
             yield_the_cores()
         me = threading.current_thread()
