@@ -23,9 +23,11 @@ is not timed. With `--compiled`, vLLM compiles the model (its default): the dump
 
 The sleeping engine also reads the worker's threads' own scheduler counters
 (/proc/PID/task/TID/schedstat, nanoseconds) around each generation: the CPU time each thread
-ran and the time it waited, runnable, for a CPU, asleep against awake. The main thread's added
-CPU time is the probe's cost on the model's path in milliseconds, which moves far less with
-the machine's load than the generation's wall time; added waiting is contention for the cores.
+ran and the time it waited, runnable, for a CPU, asleep against awake, by thread name (the
+probe's threads name themselves: `atb-writer`, `atb-watch`). It shows where the probe's work
+runs and what waits for a core: vLLM pins the worker to its cores, and the probe's writer
+thread shares them at the lowest priority. The main thread's CPU time includes vLLM's own
+wait for the next step, which spins (`sched_yield`), so it is not the probe's cost alone.
 `ATB_PROBE_WRITER` and `ATB_PROBE_WRITER_NICE` pass to the engines (every other `ATB_*`
 variable is dropped: the load script sets them), so the writer's settings can be compared.
 """
@@ -174,12 +176,13 @@ _THREADS: list = []  # the sleeping engines' worker threads, per engine (`child`
 
 def thread_table(engines: list) -> str:
     """The worker's threads in the sleeping engines, asleep against awake: the median per
-    generation of the CPU time each ran and of the time it waited, runnable, for a CPU. What
-    the probe adds to the main thread's CPU time is its own work on the model's path (and any
-    op it slows); added waiting is contention for the cores, which moves with the machine."""
+    generation of the CPU time each ran and of the time it waited, runnable, for a CPU. The
+    main thread runs the model and the probe's work on its path, and between steps spins
+    (`sched_yield`) until the engine sends the next one, so its CPU time is its whole time
+    less what it waited; the probe's threads name themselves (`atb-writer`, `atb-watch`)."""
     names = sorted({name for engine in engines for state in engine.values()
                     for generation in state for name in generation},
-                   key=lambda n: (n != "main", not n.startswith("atb-probe"), n))
+                   key=lambda n: (n != "main", not n.startswith("atb-"), n))
     rows = ["| worker thread | CPU ms asleep | CPU ms awake | waiting ms asleep | "
             "waiting ms awake |", "| --- | --- | --- | --- | --- |"]
     for name in names:
