@@ -35,8 +35,8 @@ from .process import hooks
 from .process.configwatch import ConfigWatcher
 from .process.identity import local_rank, proc_start
 from .process.role import Role, role_of
-from .process.threadname import name_this_thread
 from .process.statusfile import StatusFile, utc_now
+from .process.threadname import name_this_thread
 from .record.safefs import SafeTree
 from .record.writer import Writer
 from .rounds import RoundStart
