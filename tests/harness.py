@@ -145,6 +145,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A user script's start, run with the probe loaded (`loaded`): one round of a tiny model,
+# dumped and on disk. Tests append what they then read of the process.
+ONE_ROUND_SCRIPT = """
+import json, os, threading, time
+import torch
+import atb_probe
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+with torch.no_grad():
+    model(torch.randn(3, 8))
+assert atb_probe.active().writer.flush(60)
+"""
+
+
 # -- processes run to their end --------------------------------------------------------------
 
 def run(argv: list, cwd: Path | None = None, env: dict | None = None,

@@ -14,20 +14,12 @@ import threading
 import pytest
 
 from atb_probe.process.threadname import name_this_thread, system_name
-from harness import clean_env, config, loaded, run_shell
+from harness import ONE_ROUND_SCRIPT, clean_env, config, loaded, run_shell
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="thread names in /proc are Linux's")
 
-SCRIPT = """
-import json, os
-import torch
-import atb_probe
-model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-with torch.no_grad():
-    model(torch.randn(3, 8))
-assert atb_probe.active().writer.flush(60)
-
+SCRIPT = ONE_ROUND_SCRIPT + """
 def comm(path):
     with open(path) as f:
         return f.read().strip()

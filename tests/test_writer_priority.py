@@ -16,7 +16,7 @@ import pytest
 from atb_probe.record.jobs import JsonJob, TensorFileJob
 from atb_probe.record.safefs import SafeTree
 from atb_probe.record.writer import Writer
-from harness import clean_env, config, loaded, run_shell, wait_until
+from harness import ONE_ROUND_SCRIPT, clean_env, config, loaded, run_shell, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="a thread's own nice value is Linux's")
@@ -24,14 +24,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 # After the flush (which hands the writer to a thread at the process's priority while it
 # waits), the script waits until the writer has yielded the cores again, or 30 s: a writer
 # that never does is seen at the process's priority.
-SCRIPT = """
-import json, os, threading, time
-import torch
-import atb_probe
-model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-with torch.no_grad():
-    model(torch.randn(3, 8))
-assert atb_probe.active().writer.flush(60)
+SCRIPT = ONE_ROUND_SCRIPT + """
 expected = int(os.environ.get("EXPECTED_WRITER_NICE", "19"))
 deadline = time.monotonic() + 30
 while True:
