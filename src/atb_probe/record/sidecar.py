@@ -210,8 +210,7 @@ class Sidecar:
     def _check_stall(self) -> None:
         idle = time.monotonic() - max(self._idle_at, self._counters()[5] / 1e9)
         if idle > self.stall_seconds:
-            raise SidecarStalled(f"the disk under {self.root} took nothing for {idle:.0f} s; "
-                                 "dumping stopped so the model can go on")
+            raise SidecarStalled(stall_message(self.root, idle))
 
     def _check_alive(self) -> None:
         if self._proc.poll() is not None:
@@ -325,6 +324,13 @@ def _as_json_data(job):
     if type(job) is not JsonJob:
         raise TypeError(f"cannot send a {type(job).__name__} to the writer process")
     return JsonJob(job.rel_dir, job.name, json.loads(jsontext.dumps(job.doc)), job.size)
+
+
+def stall_message(root: str, idle: float) -> str:
+    """What stops a dump whose disk (or writer process) took nothing for `idle` seconds: the
+    writer thread and the writer process say the same."""
+    return f"the disk under {root} took nothing for {idle:.0f} s; dumping stopped so the " \
+           "model can go on"
 
 
 class SidecarStalled(SidecarDied):

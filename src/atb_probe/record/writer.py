@@ -277,8 +277,7 @@ class Writer:
                         self._stats.bytes_queued + size > self.capacity and not self._failed:
                     idle = time.monotonic() - self._last_progress
                     if idle > self.stall_seconds:
-                        self._stop(f"the disk under {self.tree.root} took nothing for "
-                                   f"{idle:.0f} s; dumping stopped so the model can go on")
+                        self._stop(sidecar.stall_message(self.tree.root, idle))
                         break
                     self._cond.notify_all()
                     self._cond.wait(min(0.5, max(0.01, self.stall_seconds - idle)))
