@@ -95,6 +95,9 @@ class Engine:
         self.vllm.start()
         self._original = None   # the __call__ the current (or last) wrapper wraps
         self._wrapper = None    # the installed wrapper; None while the probe sleeps
+        # Threads that may be inside a module call begun before the wrapper was installed
+        # (None: any thread may be), see `_joined_mid_call`.
+        self._mid_call_threads: set[int] | None = None
         self._lock = threading.Lock()
         self.active_rounds = 0
         self.dumped_rounds_open = 0  # dumped rounds running now: their data is still to come
@@ -138,7 +141,11 @@ class Engine:
 
             __call__.__atb_probe__ = True
             self._original, self._wrapper = original, __call__
+            self._mid_call_threads = None  # every root call looks, until the snapshot below
             nn.Module.__call__ = __call__
+            # A module call that began before this line runs without the wrapper: only the
+            # threads that hold one now can join a call midway (`_joined_mid_call`).
+            self._mid_call_threads = _threads_in_module_calls()
             # What was measured before the probe slept may have changed meanwhile unseen
             # (through `.data`, or a raw pointer): measure anew. While it is awake, a
             # parameter's `.data` is watched (stats_reuse.py).
@@ -279,7 +286,7 @@ class Engine:
             # Inside a serving engine only its steps are rounds (capture/vllm.py). A call that
             # `torch.jit.trace` records is no round: what the probe computes on the model's
             # tensors would be recorded into the trace too.
-            elif not (self.sleep_requested or self._steps_only() or _joined_mid_call() or
+            elif not (self.sleep_requested or self._steps_only() or self._joined_mid_call() or
                       torch.compiler.is_compiling() or torch._C._get_tracing_state()):
                 rnd = self.begin_round(module, args, kwargs)
                 owned = True
@@ -295,6 +302,24 @@ class Engine:
             self.source.report(exc)
             frame = _UNSEEN_FRAME
         return frame, rnd, owned, as_op
+
+    def _joined_mid_call(self) -> bool:
+        """(Called by `_open_root` only.) Whether this "root" is really a child of a module
+        call that began before the wrapper was installed (the probe woke up in the middle of a
+        forward): such a call is not a round. Only a thread that was inside a module call at
+        the install looks up its stack (a few dozen frames at each root call otherwise), and
+        once it finds none there, it never looks again: what it calls from then on passes
+        the wrapper."""
+        threads = self._mid_call_threads
+        if threads is None:
+            return _in_module_call(sys._getframe(2))
+        ident = threading.get_ident()
+        if ident not in threads:
+            return False
+        if _in_module_call(sys._getframe(2)):
+            return True
+        threads.discard(ident)
+        return False
 
     def _stands_for_function(self, module) -> bool:
         """Whether `module` is a plain function's stand-in (`models.is_function_adapter`)."""
@@ -528,12 +553,16 @@ def _dynamo_compiled() -> bool:
         return False
 
 
-def _joined_mid_call() -> bool:
-    """Whether this "root" is really a child of a module call that began before we were
-    installed (the probe woke up in the middle of a forward): such a call is not a round."""
-    frame = sys._getframe(2)
+def _in_module_call(frame) -> bool:
+    """Whether `frame` or a frame below it on its thread's stack runs a module's call."""
     while frame is not None:
         if frame.f_code in _CALL_CODES:
             return True
         frame = frame.f_back
     return False
+
+
+def _threads_in_module_calls() -> set[int]:
+    """The threads whose stack holds a module's call now."""
+    return {ident for ident, frame in sys._current_frames().items()
+            if _in_module_call(frame)}
