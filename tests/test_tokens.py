@@ -10,8 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from atb_probe.binread import load_numpy
+from atb_probe.capture.tokens import _real_tokens
 from atb_probe.statcsv import REQUEST_COLUMNS
 from atb_probe.tokens import prompt_of
 
@@ -293,3 +296,18 @@ def test_a_rounds_cut_of_a_shape_gives_each_request_its_own_slice(which):
         assert slices.cut(tensors[0].shape).one_after_another
     else:
         assert not slices.cut(tensors[0].shape).one_after_another
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_mask_read_whole_gives_what_the_cut_one_gives(data):
+    """A small bool or integer mask is read whole, in one call into torch (capture/tokens.py);
+    a float one is cut in torch first: the same spans and positions for the same 0/1 pattern."""
+    rows = data.draw(st.integers(1, 4))
+    width = data.draw(st.integers(1, 12))
+    seq = data.draw(st.integers(1, width))
+    bits = data.draw(st.lists(st.lists(st.booleans(), min_size=width, max_size=width),
+                              min_size=rows, max_size=rows))
+    dtype = data.draw(st.sampled_from([torch.bool, torch.int64, torch.int32, torch.uint8]))
+    mask = torch.tensor(bits, dtype=dtype)
+    assert _real_tokens(mask, rows, seq) == _real_tokens(mask.to(torch.float32), rows, seq)
