@@ -198,6 +198,22 @@ def test_a_writer_process_that_cannot_start_leaves_the_writing_to_this_process(
     assert len(tree_of(tmp_path / "out")) == 2 * 6  # nothing lost
 
 
+def test_a_writer_process_that_cannot_be_started_leaves_the_writing_to_this_process(
+        tmp_path, monkeypatch, capfd):
+    """`Popen` fails (the interpreter is gone): the jobs that waited in the pipe meanwhile are
+    written by the thread, with one warning that says why, and nothing is lost."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "gone" / "python3"))
+    writer = new_writer(tmp_path)
+    for job in jobs(2):
+        writer.put(job)
+    assert writer.close(60)
+    assert writer._sidecar is None and not writer.failed
+    warnings = probe_lines(capfd.readouterr().err, "WARNING")
+    assert len(warnings) == 1 and "could not be started" in warnings[0] and \
+        "No such file" in warnings[0], warnings
+    assert len(tree_of(tmp_path / "out")) == 2 * 6  # nothing lost
+
+
 def test_what_a_killed_model_process_handed_over_is_still_written(tmp_path):
     """The model's process dies at once (SIGKILL) after queueing: the writer process reads to
     the end of its pipe and writes it all."""

@@ -8,7 +8,9 @@ leaves it all for the next `flush` (the model's caller waits for it). Another pr
 while the model runs and costs the model nothing but the pickling of each job.
 
 `Sidecar` is the model side. It starts the process (`python -I`, so that no load script, no
-`PYTHONPATH` and no user site loads a probe into it), writes each job to its stdin as a
+`PYTHONPATH` and no user site loads a probe into it) from a thread, since `Popen` takes
+milliseconds in a large process and the first job comes in a dumped round; it makes the pipes
+first, so that jobs wait in them meanwhile. It writes each job to the process's stdin as a
 length-prefixed pickle, and reads nothing back on the hot path: the process publishes its
 counters (bytes done, files written and skipped, whether it failed and its last error) in a
 shared memory page. The bytes sent and not yet done are bounded by the writer's queue size: a
@@ -106,25 +108,46 @@ class Sidecar:
         try:
             os.ftruncate(memfd, _PAGE)
             self._page = mmap.mmap(memfd, _PAGE)
-            self._start(memfd)
-        finally:
-            os.close(memfd)  # the mapping stays
-
-    def _start(self, memfd: int) -> None:
-        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))))
-        self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _BOOT, package_parent, self.root, str(memfd)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(memfd,),
-            close_fds=True, start_new_session=True)  # a Ctrl-C is for the model's process
-        self._out = self._proc.stdin.fileno()
-        self._ack = self._proc.stdout.fileno()
+            child_in, self._out = os.pipe()
+            self._ack, child_out = os.pipe()
+        except BaseException:
+            os.close(memfd)
+            raise
         try:
             import fcntl
             fcntl.fcntl(self._out, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         except (ImportError, AttributeError, OSError):
             pass  # the default pipe size: the process reads it often enough
         os.set_blocking(self._out, False)
+        # Started by a thread of its own: `Popen` takes milliseconds in a large process, on
+        # the model's thread at its first dumped round. Jobs wait in the pipe meanwhile.
+        self._popen: subprocess.Popen | None = None
+        self._spawn_error: BaseException | None = None
+        self._spawner = threading.Thread(target=self._start, args=(memfd, child_in, child_out),
+                                         name="atb-probe-spawn", daemon=True)
+        self._spawner.start()
+
+    def _start(self, memfd: int, child_in: int, child_out: int) -> None:
+        name_this_thread()
+        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-I", "-c", _BOOT, package_parent, self.root, str(memfd)],
+                stdin=child_in, stdout=child_out, pass_fds=(memfd,), close_fds=True,
+                start_new_session=True)  # a Ctrl-C is for the model's process
+        except BaseException as exc:  # said when a job finds the pipe's other end closed
+            self._spawn_error = exc
+        finally:  # (the mapping stays) the process's ends are its own now
+            for fd in (memfd, child_in, child_out):
+                os.close(fd)
+
+    @property
+    def _proc(self) -> subprocess.Popen | None:
+        """The process once `Popen` has returned (waiting for that); None when it could not
+        be started."""
+        self._spawner.join()
+        return self._popen
 
     # -- counters (written by the process) ----------------------------------------------------
 
@@ -182,7 +205,7 @@ class Sidecar:
             return True
         if select.select([self._ack], [], [], timeout)[0]:
             if os.read(self._ack, 1) != _READY:
-                self._proc.wait()
+                self._reap()
                 raise SidecarDied(self._why_gone(settle=False))
             self.ready, self.early = True, []
         return self.ready
@@ -192,8 +215,7 @@ class Sidecar:
         while not self._poll_ready(min(0.5, max(0.0, deadline - time.monotonic()))):
             self._check_alive()
             if time.monotonic() > deadline:
-                self._proc.kill()
-                self._proc.wait()
+                self._kill()
                 raise SidecarDied(self._why_gone())
 
     def _wait_for_room(self, size: int) -> None:
@@ -213,8 +235,21 @@ class Sidecar:
             raise SidecarStalled(stall_message(self.root, idle))
 
     def _check_alive(self) -> None:
-        if self._proc.poll() is not None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
             raise SidecarDied(self._why_gone())
+
+    def _reap(self) -> None:
+        """Wait for the process's end (it closed its stdout, or never started)."""
+        proc = self._proc
+        if proc is not None:
+            proc.wait()
+
+    def _kill(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
     def _why_gone(self, settle: bool = True) -> str:
         """What became of the process (it has ended); whether it had started is settled
@@ -224,7 +259,10 @@ class Sidecar:
                 self._poll_ready()
             except (SidecarDied, OSError, ValueError):
                 pass
-        code = self._proc.returncode
+        proc = self._proc
+        if proc is None:
+            return f"the writer process could not be started ({self._spawn_error})"
+        code = proc.returncode
         if not self.ready:
             how = "could not import the probe" if code == _CANNOT_START else \
                 f"did not start (status {code})"
@@ -232,7 +270,7 @@ class Sidecar:
             how = f"was killed by signal {-code}"
         else:
             how = f"ended with status {code}"
-        return f"the writer process (pid {self._proc.pid}) {how}"
+        return f"the writer process (pid {proc.pid}) {how}"
 
     def _send(self, frame: bytes) -> None:
         if self.broken:
@@ -248,7 +286,9 @@ class Sidecar:
                     select.select([], [self._out], [], 0.1)
                     continue
                 except OSError as exc:  # EPIPE: nobody reads any more
-                    self._proc.poll()
+                    proc = self._proc
+                    if proc is not None:
+                        proc.poll()
                     raise SidecarDied(self._why_gone()) from exc
                 view = view[n:]
         except SidecarDied:
@@ -281,7 +321,7 @@ class Sidecar:
                     continue
                 chunk = os.read(self._ack, 8 - len(got))
                 if not chunk:
-                    self._proc.wait()
+                    self._reap()
                     raise SidecarDied(self._why_gone())
                 got += chunk
                 if len(got) == 8:
@@ -300,22 +340,22 @@ class Sidecar:
             done = self.flush(timeout)
             return done
         finally:
-            for stream in (self._proc.stdin, self._proc.stdout):
-                try:
-                    stream.close()
-                except OSError:
-                    pass
-            if not done and self._proc.poll() is None:
-                self._proc.kill()
-                self._proc.wait()
+            self._close_pipes()
+            if not done:
+                self._kill()
 
     def forget(self) -> None:
         """In a forked child: let go of the parent's process without touching it."""
-        for stream in (self._proc.stdin, self._proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        out, ack, self._out, self._ack = self._out, self._ack, -1, -1
+        for fd in (out, ack):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 def _as_json_data(job):
