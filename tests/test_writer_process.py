@@ -183,19 +183,26 @@ def test_a_killed_writer_process_is_said_once_and_this_process_writes_the_rest(t
     check_dump(tmp_path / "out" / "atb_dump_data")
 
 
-def test_a_writer_process_that_cannot_start_leaves_the_writing_to_this_process(
-        tmp_path, monkeypatch, capfd):
-    """It ends before it says it runs: the jobs sent to it meanwhile are written by the
-    thread, with one warning, and nothing is lost."""
-    monkeypatch.setattr(sidecar, "_BOOT", "import sys; sys.exit(3)")
+def thread_wrote_everything(tmp_path, capfd) -> str:
+    """Two rounds' jobs put to a writer whose process never says it runs: the thread writes
+    them all, nothing lost, and warns once; returns that warning."""
     writer = new_writer(tmp_path)
     for job in jobs(2):
         writer.put(job)
     assert writer.close(60)
     assert writer._sidecar is None and not writer.failed
-    warnings = probe_lines(capfd.readouterr().err, "WARNING")
-    assert len(warnings) == 1 and "could not import the probe" in warnings[0], warnings
     assert len(tree_of(tmp_path / "out")) == 2 * 6  # nothing lost
+    warnings = probe_lines(capfd.readouterr().err, "WARNING")
+    assert len(warnings) == 1, warnings
+    return warnings[0]
+
+
+def test_a_writer_process_that_cannot_start_leaves_the_writing_to_this_process(
+        tmp_path, monkeypatch, capfd):
+    """It ends before it says it runs: the jobs sent to it meanwhile are written by the
+    thread, with one warning, and nothing is lost."""
+    monkeypatch.setattr(sidecar, "_BOOT", "import sys; sys.exit(3)")
+    assert "could not import the probe" in thread_wrote_everything(tmp_path, capfd)
 
 
 def test_a_writer_process_that_cannot_be_started_leaves_the_writing_to_this_process(
@@ -203,15 +210,8 @@ def test_a_writer_process_that_cannot_be_started_leaves_the_writing_to_this_proc
     """`Popen` fails (the interpreter is gone): the jobs that waited in the pipe meanwhile are
     written by the thread, with one warning that says why, and nothing is lost."""
     monkeypatch.setattr(sys, "executable", str(tmp_path / "gone" / "python3"))
-    writer = new_writer(tmp_path)
-    for job in jobs(2):
-        writer.put(job)
-    assert writer.close(60)
-    assert writer._sidecar is None and not writer.failed
-    warnings = probe_lines(capfd.readouterr().err, "WARNING")
-    assert len(warnings) == 1 and "could not be started" in warnings[0] and \
-        "No such file" in warnings[0], warnings
-    assert len(tree_of(tmp_path / "out")) == 2 * 6  # nothing lost
+    warning = thread_wrote_everything(tmp_path, capfd)
+    assert "could not be started" in warning and "No such file" in warning, warning
 
 
 def test_what_a_killed_model_process_handed_over_is_still_written(tmp_path):
