@@ -214,6 +214,36 @@ def test_a_writer_process_that_cannot_be_started_leaves_the_writing_to_this_proc
     assert "could not be started" in warning and "No such file" in warning, warning
 
 
+def test_a_writer_process_is_started_where_no_new_thread_can_be(tmp_path):
+    """The process is started by a thread of its own; where no thread can start (no memory
+    for its stack here; at interpreter exit on Python 3.12.0-3.12.1), the caller starts it
+    itself, and the job is written by the process, with no warning."""
+    script = tmp_path / "no_threads.py"
+    script.write_text(textwrap.dedent("""
+        import resource, sys, threading
+        from atb_probe.record.jobs import JsonJob
+        from atb_probe.record.safefs import SafeTree
+        from atb_probe.record.writer import Writer
+        vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20),) * 2)
+        threading.stack_size(1 << 30)  # no thread gets a stack from now on
+        try:
+            threading.Thread(target=lambda: None).start()
+            sys.exit("a thread started")
+        except RuntimeError:
+            pass
+        writer = Writer(SafeTree(sys.argv[1]), min_free=0, process=True)
+        writer.put(JsonJob("data", "late.json", {"late": True}))
+        assert writer.close(60) and writer.stats.files_written == 1
+    """))
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARNING" not in result.stderr, result.stderr
+    assert json.loads((out / "data" / "late.json").read_text()) == {"late": True}
+
+
 def test_what_a_killed_model_process_handed_over_is_still_written(tmp_path):
     """The model's process dies at once (SIGKILL) after queueing: the writer process reads to
     the end of its pipe and writes it all."""

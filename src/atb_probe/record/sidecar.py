@@ -123,12 +123,18 @@ class Sidecar:
         # the model's thread at its first dumped round. Jobs wait in the pipe meanwhile.
         self._popen: subprocess.Popen | None = None
         self._spawn_error: BaseException | None = None
-        self._spawner = threading.Thread(target=self._start, args=(memfd, child_in, child_out),
-                                         name="atb-probe-spawn", daemon=True)
-        self._spawner.start()
+        self._spawner: threading.Thread | None = threading.Thread(
+            target=self._start, args=(memfd, child_in, child_out), name="atb-probe-spawn",
+            daemon=True)
+        try:
+            self._spawner.start()
+        except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12): from here
+            self._spawner = None
+            self._start(memfd, child_in, child_out)
 
     def _start(self, memfd: int, child_in: int, child_out: int) -> None:
-        name_this_thread()
+        if self._spawner is not None:
+            name_this_thread()
         package_parent = os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))))
         try:
@@ -146,7 +152,8 @@ class Sidecar:
     def _proc(self) -> subprocess.Popen | None:
         """The process once `Popen` has returned (waiting for that); None when it could not
         be started."""
-        self._spawner.join()
+        if self._spawner is not None:
+            self._spawner.join()
         return self._popen
 
     # -- counters (written by the process) ----------------------------------------------------
