@@ -216,7 +216,7 @@ def test_a_writer_process_that_cannot_be_started_leaves_the_writing_to_this_proc
 
 def test_a_writer_process_is_started_where_no_new_thread_can_be(tmp_path):
     """The process is started by a thread of its own; where no thread can start (no memory
-    for its stack here; at interpreter exit on Python 3.12.0-3.12.1), the caller starts it
+    for its stack here; at interpreter exit on Python 3.12.1, for one), the caller starts it
     itself, and the job is written by the process, with no warning."""
     script = tmp_path / "no_threads.py"
     script.write_text(textwrap.dedent("""
