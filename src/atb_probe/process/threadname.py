@@ -5,8 +5,8 @@ worker, `VLLM::Worker`) in `top -H`, `ps -L`, `/proc/PID/task/TID/comm`, py-spy 
 unless it names itself. Python gives its threads names only inside Python before 3.14, so
 the probe's writer, watcher and landing threads, and its writer process, would be counted as
 the model's. Each names itself when it starts: the Python name, `atb-probe-` shortened to
-`atb-`, cut at Linux's 15 bytes (`atb-writer`, `atb-watch`, `atb-landing`, `atb-exit`; the
-writer process `atb-writer-proc`).
+`atb-`, cut at Linux's 15 bytes (`atb-writer`, `atb-watch`, `atb-landing`, `atb-exit`,
+`atb-spawn`; the writer process `atb-writer-proc`).
 """
 from __future__ import annotations
 
