@@ -214,14 +214,32 @@ def test_a_writer_process_that_cannot_be_started_leaves_the_writing_to_this_proc
     assert "could not be started" in warning and "No such file" in warning, warning
 
 
-def test_a_writer_process_is_started_where_no_new_thread_can_be(tmp_path):
-    """The process is started by a thread of its own; where no thread can start (no memory
-    for its stack here; at interpreter exit on Python 3.12.1, for one), the caller starts it
-    itself, and the job is written by the process, with no warning."""
+# Jobs of both kinds of route: rows, documents and a tensor file (run by `exec`, here and in
+# a process of its own).
+ROUTE_JOBS = textwrap.dedent("""
+    from atb_probe.record.jobs import JsonJob, RowsJob, TensorFileJob
+    from atb_probe.statcsv import HEADER
+    def row(op, i):
+        return ("0_1", str(i), op, op, "0", "output", "0", "float", "4", None, None)
+    route_jobs = [JsonJob("data/0_1/0", "tokens.json", {"late": True})]
+    for layer in range(3):
+        route_jobs.append(RowsJob("data/0_1/0", "statistic.csv",
+                                  [row(f"Layer{layer}", layer)], HEADER, 192))
+        route_jobs.append(JsonJob(f"data/0_1/0/Layer{layer}", "op_param.json", {"l": layer}))
+    route_jobs.append(TensorFileJob("data/0_1/0/Layer0/output", "outtensor0.bin",
+                                    [b"header", b"data"], 10))
+""")
+
+
+@pytest.mark.parametrize("process", [True, False], ids=["process", "thread"])
+def test_jobs_are_written_where_no_new_thread_can_start(tmp_path, process):
+    """Where no thread can start (no memory for its stack here; at interpreter exit on
+    Python 3.12, for one), nothing is lost and nothing is said: the writer process is started
+    by the caller instead of a thread of its own, and the writer thread's jobs are written by
+    the thread that queues them. The files are those a writer with its threads writes."""
     script = tmp_path / "no_threads.py"
     script.write_text(textwrap.dedent("""
         import resource, sys, threading
-        from atb_probe.record.jobs import JsonJob
         from atb_probe.record.safefs import SafeTree
         from atb_probe.record.writer import Writer
         vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
@@ -232,16 +250,24 @@ def test_a_writer_process_is_started_where_no_new_thread_can_be(tmp_path):
             sys.exit("a thread started")
         except RuntimeError:
             pass
-        writer = Writer(SafeTree(sys.argv[1]), min_free=0, process=True)
-        writer.put(JsonJob("data", "late.json", {"late": True}))
-        assert writer.close(60) and writer.stats.files_written == 1
+        exec(sys.argv[3])
+        writer = Writer(SafeTree(sys.argv[1]), min_free=0, process=sys.argv[2] == "True")
+        for job in route_jobs:
+            writer.put(job)
+        assert writer.close(60) and writer.stats.files_written == 5, writer.stats
     """))
-    out = tmp_path / "out"
-    result = subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), str(process),
+                             ROUTE_JOBS], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "WARNING" not in result.stderr, result.stderr
-    assert json.loads((out / "data" / "late.json").read_text()) == {"late": True}
+    assert "WARNING" not in result.stderr and "ERROR" not in result.stderr, result.stderr
+    space = {}
+    exec(ROUTE_JOBS, space)
+    threaded = Writer(SafeTree(str(tmp_path / "threaded")), min_free=0)
+    for job in space["route_jobs"]:
+        threaded.put(job)
+    assert threaded.close(60)
+    written = tree_of(tmp_path / "out")
+    assert len(written) == 6 and written == tree_of(tmp_path / "threaded")
 
 
 def test_what_a_killed_model_process_handed_over_is_still_written(tmp_path):

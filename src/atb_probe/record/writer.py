@@ -251,17 +251,22 @@ class Writer:
         with self._cond:
             if not self._admit(job.size):
                 return
-            if type(job) is RowsJob and not (self._jobs or self._busy):
+            if self._thread is None:  # no writer thread could start (`_ensure_thread`)
+                self._jobs.append(job)
+            elif type(job) is RowsJob and not (self._jobs or self._busy):
                 if self._rows.add(job, self._wakes_at):
                     self._cond.notify_all()
                 return
-            if type(job) is TensorFileJob:
-                self._jobs_due = 0.0  # it holds memory: written now, with what is before it
-            elif not self._jobs:
-                self._jobs_due = time.monotonic() + self.rows_delay
-            self._jobs.append(job)
-            if self._jobs_due < self._wakes_at:  # else the writer wakes for them anyway
-                self._cond.notify_all()
+            else:
+                if type(job) is TensorFileJob:
+                    self._jobs_due = 0.0  # it holds memory: written now, with what is before
+                elif not self._jobs:
+                    self._jobs_due = time.monotonic() + self.rows_delay
+                self._jobs.append(job)
+                if self._jobs_due < self._wakes_at:  # else the writer wakes for them anyway
+                    self._cond.notify_all()
+                return
+        self._write_here()
 
     def _admit(self, size: int) -> bool:
         """(Holding `_cond`.) Wait for room for `size` bytes (back-pressure), then account for
@@ -472,23 +477,36 @@ class Writer:
 
     def _ensure_thread(self) -> None:
         """(Holding `_cond`.) A writer thread, started at the first job, yielding the cores
-        where it can (`yields`)."""
+        where it can (`yields`).
+
+        Where none can start (at interpreter exit on Python 3.12, with no memory for a
+        stack), `_thread` is None and the thread that queues a job writes it (`_write_here`);
+        the next job tries again."""
         if self._thread is None or not self._thread.is_alive():
-            self._start_thread(yielding=yields())
+            if not self._start_thread(yielding=yields()):
+                self._thread = None
 
     def _hurry(self) -> None:
         """(Holding `_cond`.) A thread waits for the writer: a writer thread that yields the
         cores hands over to a new one at the process's priority. The one replaced finishes the
-        job it is writing (the new one waits for that), then ends."""
+        job it is writing (the new one waits for that), then ends; where no new one can
+        start, it goes on."""
         if self._yielding and self._thread is not None and self._thread.is_alive():
             self._start_thread(yielding=False)
 
-    def _start_thread(self, yielding: bool) -> None:
+    def _start_thread(self, yielding: bool) -> bool:
+        """(Holding `_cond`.) Start a writer thread, the one before (if any) to end after its
+        job; False where no thread can start now."""
+        thread = threading.Thread(target=self._run, args=(yielding,),
+                                  name="atb-probe-writer", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # "can't start new thread", "… at interpreter shutdown"
+            return False
         self._yielding = yielding
-        self._thread = threading.Thread(target=self._run, args=(yielding,),
-                                        name="atb-probe-writer", daemon=True)
-        self._thread.start()
+        self._thread = thread  # (it reads this once it holds `_cond`, after us)
         self._cond.notify_all()
+        return True
 
     def _run(self, yielding: bool) -> None:
         name_this_thread()
@@ -526,27 +544,49 @@ class Writer:
                     self._wakes_at = 0.0
                 self._busy = True
                 self._last_progress = time.monotonic()  # idle time is not a stall
-            batched = 0  # a rows job's bytes, accounted by its batch from here
-            try:
-                if job is None:
-                    self._write_rows()
-                elif type(job) is RowsJob:
-                    batched = job.size
-                    with self._cond:  # written when due: see the wait above
-                        # It waited for the queue's delay already, unless a tensor file
-                        # cut that short: its batch does not wait for it again.
-                        self._rows.add(job, 0.0, self.rows_delay if self._jobs_due else 0.0)
-                elif not self._failed:
-                    self._write_job(job)
-            except Exception as exc:  # the writer must never die silently
-                self._fail(exc, self._where(job))
-            finally:
-                with self._cond:
-                    if job is not None:
-                        self._stats.bytes_queued -= job.size - batched
-                    self._busy = False
-                    self._last_progress = time.monotonic()
-                    self._cond.notify_all()
+            self._write_one(job)
+
+    def _write_here(self) -> None:
+        """No writer thread could start (`_ensure_thread`): the calling thread writes what is
+        queued, rows included, now. While another caller writes, that one takes this job
+        too."""
+        while True:
+            with self._cond:
+                if self._busy or self._thread is not None:
+                    return  # a caller writing, or a thread started since, takes it
+                if self._jobs:
+                    job = self._jobs.popleft()
+                elif self._rows.waiting:
+                    job = None
+                else:
+                    return
+                self._busy = True
+            self._write_one(job)
+
+    def _write_one(self, job: TensorFileJob | JsonJob | RowsJob | None) -> None:
+        """Write a job taken from the queue, `_busy` set (None: the rows that wait); clear
+        `_busy` after it."""
+        batched = 0  # a rows job's bytes, accounted by its batch from here
+        try:
+            if job is None:
+                self._write_rows()
+            elif type(job) is RowsJob:
+                batched = job.size
+                with self._cond:  # written when due: see the wait in `_run`
+                    # It waited for the queue's delay already, unless a tensor file cut that
+                    # short: its batch does not wait for it again.
+                    self._rows.add(job, 0.0, self.rows_delay if self._jobs_due else 0.0)
+            elif not self._failed:
+                self._write_job(job)
+        except Exception as exc:  # the writer must never die silently
+            self._fail(exc, self._where(job))
+        finally:
+            with self._cond:
+                if job is not None:
+                    self._stats.bytes_queued -= job.size - batched
+                self._busy = False
+                self._last_progress = time.monotonic()
+                self._cond.notify_all()
 
     def _wait_for(self, due: float) -> float:
         """Seconds until what is due at `due` must be written (0: now, while a thread waits
@@ -599,8 +639,8 @@ class Writer:
         me = threading.current_thread()
         while True:
             with self._cond:
-                if self._thread is not me:
-                    return
+                if self._thread is not me and self._thread is not None:
+                    return  # handed over (None: no thread, the caller writes)
                 taken = self._rows.take()
             if taken is None:
                 return
