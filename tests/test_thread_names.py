@@ -24,7 +24,13 @@ def comm(path):
     with open(path) as f:
         return f.read().strip()
 
-threads = sorted(comm(f"/proc/self/task/{tid}/comm") for tid in os.listdir("/proc/self/task"))
+threads = []
+for tid in os.listdir("/proc/self/task"):
+    try:
+        threads.append(comm(f"/proc/self/task/{tid}/comm"))
+    except OSError:  # a thread that ended since (a writer thread handing over, say)
+        pass
+threads.sort()
 children = []
 for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
