@@ -152,3 +152,35 @@ def test_a_tensor_written_in_place_later_in_the_layer_keeps_the_statistics_of_it
     add_out = [r for r in rows if r["Op Id"] == "0_1" and r["Input/Output"] == "output"]
     assert float(mul_out[0]["Max"]) == 6.0 and float(add_in[0]["Max"]) == 6.0
     assert float(add_out[0]["Max"]) == 106.0
+
+
+def test_a_layer_output_written_in_place_by_the_next_layer_keeps_the_statistics_of_its_time(
+        tmp_path):
+    """Layer-level ops only (no kernels seen): a small output's statistics are measured with
+    the round's rows, from a copy taken at its side, so the next layer adding to it in place
+    (vLLM's fused residual does) changes the row of neither side before the write."""
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2.0
+
+    class AddInPlace(nn.Module):
+        def forward(self, x):
+            return x.add_(100.0)
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Double(), AddInPlace(), Double()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    x = torch.arange(4.0)
+    root = only_proc(dump(tmp_path, config(task="statistics"), lambda: Root()(x)))
+    rows = {(r["Op Name"], r["Op Id"], r["Input/Output"]): float(r["Max"])
+            for r in read_csv(root / "0" / "statistic.csv")}
+    assert rows == {("Double", "0", "input"): 3.0, ("Double", "0", "output"): 6.0,
+                    ("AddInPlace", "1", "input"): 6.0, ("AddInPlace", "1", "output"): 106.0,
+                    ("Double", "2", "input"): 106.0, ("Double", "2", "output"): 212.0}, rows

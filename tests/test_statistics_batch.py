@@ -411,6 +411,59 @@ def test_gathered_tensors_wait_for_the_flush_then_get_their_own_statistics(seed,
     assert not device._here.buffers  # the next round takes fresh buffers
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([(1,), (3,), (1, 1, 64), (2, 50), (4096,)]),
+                          st.sampled_from([torch.float32, torch.float64, torch.bfloat16,
+                                           torch.float16, torch.bool, torch.int64]),
+                          st.sampled_from(["normal", "nan", "inf", "huge"])),
+                min_size=1, max_size=12),
+       st.integers(0, 2 ** 31 - 1))
+def test_held_host_tensors_wait_for_the_flush_then_get_their_own_statistics(kinds, seed):
+    """A side's small host tensors left for later (`DeviceStatistics.hold`) are copied: their
+    cells wait under the thread's serial until the flush, which measures the copies of one
+    dtype and shape together. Each gets the bits the per-tensor formula gives it, nan, inf
+    and the float64 fallback included, from the values it held when it was held, whatever
+    the model wrote into it since."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = []
+    for shape, dtype, values in kinds:
+        t = torch.randn(shape, generator=g) * 3
+        if values == "nan":
+            t.view(-1)[0] = float("nan")
+        elif values == "inf":
+            t.view(-1)[-1] = -float("inf")
+        elif values == "huge":
+            t.fill_(3e19)  # float32 sums overflow
+        tensors.append(t > 0 if dtype is torch.bool else t.to(dtype))
+    want = [_numpy_one(t) for t in tensors]
+    device = DeviceStatistics()
+    cells = _cells(len(tensors))
+    for i in range(0, len(tensors), 2):  # a side at a time
+        device.hold(tensors[i:i + 2], cells[i:i + 2])
+    assert all(c[-1] == QUEUED and waits_in(c) == device.serial_here() for c in cells)
+    for t in tensors:  # what the model does next does not change what was held
+        t.zero_()
+    device.flush()
+    for t, cell, w in zip(tensors, cells, want):
+        assert _same(stats_of(cell), w), (t.dtype, tuple(t.shape))
+    assert not device._here.held and not device._here.held_elements
+
+
+def test_held_host_tensors_are_measured_once_their_bound_is_reached(monkeypatch):
+    """A thread holds at most HOLD_ELEMENTS elements: the side that goes past it has
+    everything held measured at once."""
+    monkeypatch.setattr(statistics, "HOLD_ELEMENTS", 250)
+    device = DeviceStatistics()
+    tensors = [torch.randn(100) for _ in range(3)]
+    cells = _cells(3)
+    device.hold(tensors[:2], cells[:2])
+    assert all(c[-1] == QUEUED for c in cells[:2])
+    device.hold(tensors[2:], cells[2:])
+    assert all(c[-1] == READY for c in cells) and not device._here.held
+    for t, cell in zip(tensors, cells):
+        assert _same(stats_of(cell), _numpy_one(t))
+
+
 def test_each_thread_gathers_into_buffers_of_its_own():
     """A thread's gathered cells wait under its own serial, and one thread's flush leaves
     another's cells waiting."""

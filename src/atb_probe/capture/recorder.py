@@ -427,9 +427,11 @@ class Recorder:
                                                     by_row="_" not in frame.op_id)
             if sums is not None and cfg.wants_statistics:
                 derived = self._sum_rows(sums, dumpable, queue, by_request)
-            # Deferred only where every in-place kernel is seen (see forget_written).
-            if at_once or layer is None or not layer.deferred or \
-                    queue.nbytes > MAX_PENDING_BYTES:
+            # Deferred only where every in-place kernel is seen (see forget_written); a module
+            # side's small host tensors are copied then, and measured with the round's rows.
+            if at_once or layer is None or not layer.deferred:
+                queue.resolve(later=not kernel)
+            elif queue.nbytes > MAX_PENDING_BYTES:
                 queue.resolve()
         else:
             stats = [None] * len(dumpable)

@@ -27,6 +27,11 @@ but for the Norm of a tensor of more than 4M elements, below):
   as the rows of one 2-D array, each row giving what it gives alone (`_rows`). The dense
   bfloat16, float16 and bool tensors of a batch are converted to float32 in one concatenation
   per dtype (`_convert_together`): the values each is measured over are the same.
+* A module side's small contiguous host tensors (at most 4096 elements each: a decode step's
+  hidden states, positions, logits) are copied when the side is seen and measured when the
+  thread hands its rows over, the copies of one dtype and shape as the rows of one array
+  (`DeviceStatistics.hold`), the same bits as alone: between two layers of the model each
+  torch or numpy call runs cold, and a dozen of them a tensor cost more than one copy.
 * A tensor of more than SCRATCH_ELEMENTS (4M) elements measured in float32 is measured a part
   at a time (`_one_in_parts`), each part converted into memory its thread keeps: max, min and
   the sum are those of the whole array bit for bit (the parts are the ones numpy's pairwise
@@ -600,6 +605,8 @@ _BUFFER_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.b
 # elements, grows to what its rounds need, and holds at most SEGMENT_ELEMENTS: a fuller one is
 # reduced and a new one begun. A tensor larger than that goes alone (`DeviceStatistics.batch`).
 BUFFER_ELEMENTS = 1 << 16
+# Elements of host copies one thread's `DeviceStatistics.hold` keeps at most (16 MiB of float32).
+HOLD_ELEMENTS = 1 << 22
 
 
 class _Buffer:
@@ -642,7 +649,47 @@ class DeviceStatistics:
             return here.serial
         except AttributeError:
             here.serial, here.buffers, here.sizes = new_serial(), {}, {}
+            here.held, here.held_cells, here.held_elements = [], [], 0
             return here.serial
+
+    def hold(self, tensors: list, cells: list) -> None:
+        """Queue the statistics of small contiguous host `tensors` into `cells` until the
+        calling thread's next `flush`, as its accelerator statistics wait: each is copied now
+        (the model may write it in place later), and the copies are measured together then
+        (`compute`: tensors of one size as the rows of one array), each giving the bits it
+        gives alone. On the model's path a side of a decode step then costs a copy a tensor,
+        where measuring it there cost a dozen torch and numpy calls, each paid with the
+        model's data in the caches. At most HOLD_ELEMENTS wait."""
+        serial = self.serial_here()
+        here = self._here
+        held, held_cells = here.held, here.held_cells
+        for t, cell in zip(tensors, cells):
+            held.append(_values(t).clone())
+            held_cells.append(cell)
+            here.held_elements += t.numel()
+            pack(cell, 0, 0.0, 0.0, 0.0, 0.0, serial, QUEUED)
+        if here.held_elements > HOLD_ELEMENTS:
+            self._measure_held()
+
+    def _measure_held(self) -> None:
+        """Fill the cells of what the calling thread's `hold` copied: the copies of one dtype
+        and shape stacked, converted as `prepare` converts each, and measured as the rows of
+        one array (`_rows`), which gives each what `_one` gives it alone."""
+        here = self._here
+        tensors, cells = here.held, here.held_cells
+        here.held, here.held_cells, here.held_elements = [], [], 0
+        groups: dict = {}
+        for t, cell in zip(tensors, cells):
+            group = groups.get((t.dtype, t.shape))
+            if group is None:
+                groups[t.dtype, t.shape] = ([t], [cell])
+            else:
+                group[0].append(t)
+                group[1].append(cell)
+        with np.errstate(all="ignore"):
+            for members, member_cells in groups.values():
+                m = _as_float(torch.stack(members) if len(members) > 1 else members[0])
+                _rows(m.numpy().reshape(len(members), -1), member_cells)
 
     def gather(self, tensors: list, cells: list) -> None:
         """Queue the statistics of accelerator `tensors` into `cells`: their values copied into
@@ -718,8 +765,11 @@ class DeviceStatistics:
     def flush(self) -> None:
         """Queue the statistics of everything the calling thread's `gather` copied: one batch per
         buffer, its cells filled by the landing thread. `landings.last()`, taken after this
-        call, waits for them."""
-        buffers = getattr(self._here, "buffers", None)
+        call, waits for them. What its `hold` copied is measured now."""
+        here = self._here
+        if getattr(here, "held", None):
+            self._measure_held()
+        buffers = getattr(here, "buffers", None)
         if not buffers:
             return
         for buffer in buffers.values():

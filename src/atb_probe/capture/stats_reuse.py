@@ -5,8 +5,9 @@ batches: a lookup that misses queues the tensor and returns a pending cell (stat
 Each layer-level op execution has its own `Queue`. The recorder resolves it at the end of the
 execution when it sees the kernels inside (and before any kernel there that writes to its
 arguments, so what is queued still holds the values of the moment it was seen), and at once
-otherwise. Queued tensors are kept alive until then; `Queue.nbytes` lets the recorder bound
-that.
+otherwise: there a module side's small contiguous host tensors are copied instead, and the
+copies measured when the thread hands its rows over (`DeviceStatistics.hold`). Queued tensors
+are kept alive until then; `Queue.nbytes` lets the recorder bound that.
 
 With `save_child` the same values show up again and again: a kernel's output is the next
 kernel's input, a view (`aten.view`, `aten.t`, `aten.unsqueeze`...) holds the values of its
@@ -197,6 +198,10 @@ def _after_fork(ref) -> None:
         cache.device.after_fork()
 
 
+# Elements of the largest host tensor whose statistics `Queue.resolve` may leave for later.
+HOLD_LARGEST = 4096
+
+
 class Queue:
     """Tensors of one thread's layer-level op execution whose statistics are pending, and
     their cells (see the module docstring)."""
@@ -216,14 +221,24 @@ class Queue:
         self.held: dict = {}
         self.cache = cache    # where `held` outputs still referred to go when it resolves
 
-    def resolve(self) -> None:
+    def resolve(self, later: bool = False) -> None:
         """Compute every queued statistic (one batch) and let go of the tensors. A tensor
         measured whole and by runs (a request's tokens) is converted once for both. Then the
-        outputs held here that something else still refers to go to the cache."""
+        outputs held here that something else still refers to go to the cache.
+
+        `later`: where every queued tensor is a small contiguous host tensor and none is cut
+        by runs (an op side of a decode step), they are copied instead and measured with the
+        thread's others when it hands its rows over (`DeviceStatistics.hold`)."""
         held = self.held
         if held:
             self.held = {}
-        if self.tensors or self.runs:
+        if later and self.tensors and not self.runs and all(
+                t.is_cpu and t.numel() <= HOLD_LARGEST and t.is_contiguous()
+                for t in self.tensors):
+            self.device.hold(self.tensors, self.cells)
+            # (no reference to them left here: `_keep_held` counts what still refers to them)
+            self.tensors, self.cells, self.nbytes = [], [], 0
+        elif self.tensors or self.runs:
             self._compute()
         if held:
             self.cache._keep_held(held)
