@@ -26,6 +26,7 @@ from atb_probe.capture import stats_compute as statistics
 from atb_probe.capture.landing import Landings
 from atb_probe.capture.stats_compute import DeviceStatistics, dense_flat, prepare
 from atb_probe.capture.stats_compute import compute as _compute
+from atb_probe.capture.tensors import DUMPABLE_DTYPES
 from atb_probe.record.jobs import TensorFileJob
 from atb_probe.record.safefs import SafeTree
 from atb_probe.record.writer import Writer
@@ -447,6 +448,42 @@ def test_held_host_tensors_wait_for_the_flush_then_get_their_own_statistics(kind
     for t, cell, w in zip(tensors, cells, want):
         assert _same(stats_of(cell), w), (t.dtype, tuple(t.shape))
     assert not device._here.held and not device._here.held_elements
+
+
+@pytest.mark.parametrize("dtype", list(DUMPABLE_DTYPES), ids=str)
+def test_held_tensors_of_every_dumpable_dtype_get_what_they_get_alone(dtype):
+    """Held copies of one dtype and shape are stacked before they are converted: each gets
+    the numbers `compute` gives it alone, for every dtype a dump records."""
+    g = torch.Generator().manual_seed(7)
+    values = [torch.randn(3, 5, generator=g) * 4 for _ in range(3)]
+    tensors = [torch.complex(v, -v).to(dtype) if dtype.is_complex else v.to(dtype)
+               for v in values] + [values[0][0].to(dtype) if not dtype.is_complex else
+                                   torch.complex(values[0][0], values[0][0]).to(dtype)]
+    alone, held = _cells(len(tensors)), _cells(len(tensors))
+    for t, cell in zip(tensors, alone):
+        compute([t], [cell])
+    device = DeviceStatistics()
+    device.hold(tensors, held)
+    device.flush()
+    for a, b in zip(alone, held):
+        assert _same(stats_of(b), stats_of(a)), (stats_of(a), stats_of(b))
+
+
+def test_held_tensors_that_cannot_be_stacked_are_measured_one_at_a_time(monkeypatch):
+    """Where torch cannot stack a group of held copies, each is measured alone: the same
+    numbers, nothing lost."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("stack: not for this dtype here")
+
+    tensors = [torch.randn(4, 8) for _ in range(3)]
+    want = [_numpy_one(t) for t in tensors]
+    monkeypatch.setattr(statistics.torch, "stack", refuse)
+    device = DeviceStatistics()
+    cells = _cells(3)
+    device.hold(tensors, cells)
+    device.flush()
+    for cell, w in zip(cells, want):
+        assert _same(stats_of(cell), w)
 
 
 def test_held_host_tensors_are_measured_once_their_bound_is_reached(monkeypatch):

@@ -656,8 +656,7 @@ class DeviceStatistics:
         """Queue the statistics of small contiguous host `tensors` into `cells` until the
         calling thread's next `flush`, as its accelerator statistics wait: each is copied now
         (the model may write it in place later), and the copies are measured together then
-        (`compute`: tensors of one size as the rows of one array), each giving the bits it
-        gives alone. On the model's path a side of a decode step then costs a copy a tensor,
+        (`_measure_held`), each giving the bits it gives alone. On the model's path a side of a decode step then costs a copy a tensor,
         where measuring it there cost a dozen torch and numpy calls, each paid with the
         model's data in the caches. At most HOLD_ELEMENTS wait."""
         serial = self.serial_here()
@@ -686,10 +685,13 @@ class DeviceStatistics:
             else:
                 group[0].append(t)
                 group[1].append(cell)
-        with np.errstate(all="ignore"):
-            for members, member_cells in groups.values():
-                m = _as_float(torch.stack(members) if len(members) > 1 else members[0])
-                _rows(m.numpy().reshape(len(members), -1), member_cells)
+        for members, member_cells in groups.values():
+            try:
+                with np.errstate(all="ignore"):
+                    m = _as_float(torch.stack(members) if len(members) > 1 else members[0])
+                    _rows(m.numpy().reshape(len(members), -1), member_cells)
+            except Exception:  # (a dtype torch cannot stack here) one at a time, as ever
+                compute(members, member_cells, self)
 
     def gather(self, tensors: list, cells: list) -> None:
         """Queue the statistics of accelerator `tensors` into `cells`: their values copied into

@@ -198,8 +198,10 @@ def _after_fork(ref) -> None:
         cache.device.after_fork()
 
 
-# Elements of the largest host tensor whose statistics `Queue.resolve` may leave for later.
+# Elements of the largest host tensor whose statistics `Queue.resolve` may leave for later,
+# and the classes of the tensors it may (no subclass whose `clone` could do anything else).
 HOLD_LARGEST = 4096
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 class Queue:
@@ -233,8 +235,8 @@ class Queue:
         if held:
             self.held = {}
         if later and self.tensors and not self.runs and all(
-                t.is_cpu and t.numel() <= HOLD_LARGEST and t.is_contiguous()
-                for t in self.tensors):
+                type(t) in _PLAIN and t.is_cpu and t.numel() <= HOLD_LARGEST and
+                t.is_contiguous() for t in self.tensors):
             self.device.hold(self.tensors, self.cells)
             # (no reference to them left here: `_keep_held` counts what still refers to them)
             self.tensors, self.cells, self.nbytes = [], [], 0
