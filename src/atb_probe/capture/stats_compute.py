@@ -633,7 +633,10 @@ class DeviceStatistics:
     one copy per dtype and call, into a buffer of that thread for each device, dtype and
     stream; the copy is the snapshot of the values. When the thread hands its rows to the
     writer (`flush`, at the latest when its round ends), each buffer is reduced by segments, a
-    fixed number of operations for it (`_segments`), and goes to the host as one batch."""
+    fixed number of operations for it (`_segments`), and goes to the host as one batch.
+
+    A side's small host tensors wait for the same flush the same way (`hold`): copied now,
+    under the same serial, and measured on the host then."""
 
     def __init__(self):
         self.landings = Landings()
