@@ -184,3 +184,43 @@ def test_a_layer_output_written_in_place_by_the_next_layer_keeps_the_statistics_
     assert rows == {("Double", "0", "input"): 3.0, ("Double", "0", "output"): 6.0,
                     ("AddInPlace", "1", "input"): 6.0, ("AddInPlace", "1", "output"): 106.0,
                     ("Double", "2", "input"): 106.0, ("Double", "2", "output"): 212.0}, rows
+
+
+def test_a_requests_slice_written_in_place_by_the_next_layer_keeps_the_statistics_of_its_time(
+        tmp_path):
+    """The same with a batch of two requests, each a row of one token (a decode round): each
+    request's slice is copied with its tensor and measured with the round's rows too, so the
+    next layer adding to it in place changes neither the whole rows nor the request rows of
+    the sides before the write."""
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2.0
+
+    class AddInPlace(nn.Module):
+        def forward(self, x):
+            return x.add_(100.0)
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Double(), AddInPlace(), Double()])
+
+        def forward(self, input_ids, attention_mask=None):
+            x = input_ids.float()[..., None].expand(2, 1, 4).contiguous()
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    ids, mask = torch.tensor([[1], [3]]), torch.ones(2, 3, dtype=torch.long)
+    root = only_proc(dump(tmp_path, config(task="statistics"), lambda: Root()(ids, mask)))
+    rows = {(r["Op Name"], r["Op Id"], r["Input/Output"], r["Request"]): float(r["Max"])
+            for r in read_csv(root / "0" / "request_statistic.csv") if r["Index"] == "0"}
+    want = {("Double", "0", "output"): (2.0, 6.0), ("AddInPlace", "1", "input"): (2.0, 6.0),
+            ("AddInPlace", "1", "output"): (102.0, 106.0),
+            ("Double", "2", "input"): (102.0, 106.0), ("Double", "2", "output"): (204.0, 212.0)}
+    for (name, op_id, side), (first, second) in want.items():
+        assert rows[name, op_id, side, "row0"] == first and \
+            rows[name, op_id, side, "row1"] == second, rows
+    whole = {(r["Op Name"], r["Op Id"], r["Input/Output"]): float(r["Max"])
+             for r in read_csv(root / "0" / "statistic.csv") if r["Index"] == "0"}
+    assert whole["AddInPlace", "1", "input"] == 6.0 and whole["Double", "2", "input"] == 106.0

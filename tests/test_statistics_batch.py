@@ -501,6 +501,101 @@ def test_held_host_tensors_are_measured_once_their_bound_is_reached(monkeypatch)
         assert _same(stats_of(cell), _numpy_one(t))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([(1,), (8,), (1, 64), (8, 256), (3, 5, 7)]),
+                          st.sampled_from([torch.float32, torch.float64, torch.bfloat16,
+                                           torch.float16, torch.int64, torch.int32]),
+                          st.sampled_from(["normal", "nan", "inf", "huge"]),
+                          st.sampled_from(["whole", "runs", "both"])),
+                min_size=1, max_size=10),
+       st.integers(0, 2 ** 31 - 1))
+def test_held_runs_of_a_side_get_what_compute_runs_gives_them(kinds, seed):
+    """A side cut per request (vLLM's decode step: a token per request, the rows of each
+    tensor) is held too when its runs tile its tensors (`Queue._holdable`): each tensor is
+    copied once whether it is measured whole, by runs or both, and at the flush every run
+    gets the bits `compute_runs` gives it and every whole tensor those of `compute`, from the
+    values held, whatever the model wrote since."""
+    from atb_probe.capture.stats_reuse import StatsCache
+    g = torch.Generator().manual_seed(seed)
+    cache = StatsCache()
+    queue = cache.new_queue()
+    wants, got = [], []
+    for shape, dtype, values, how in kinds:
+        t = torch.randn(shape, generator=g) * 3
+        if values == "nan":
+            t.view(-1)[0] = float("nan")
+        elif values == "inf":
+            t.view(-1)[-1] = -float("inf")
+        elif values == "huge":
+            t.fill_(3e19)
+        t = t.to(dtype)
+        if how != "runs":
+            wants.append(_numpy_one(t))
+            got.append(cache.fresh(t, queue))
+        if how != "whole":
+            rows = shape[0]
+            width = t.numel() // rows
+            runs = [(k * width, (k + 1) * width) for k in range(rows)]
+            wants += [stats_of(c) for c in _run_slices(t, runs, True)]
+            got += cache.fresh_runs(t, runs, queue, True)
+    tensors = [t for t in queue.tensors] + [entry[0] for entry in queue.runs]
+    assert queue._holdable()
+    queue.resolve(later=True)
+    assert not (queue.tensors or queue.runs or queue.nbytes)
+    here = queue.device._here
+    assert all(c[-1] == QUEUED and waits_in(c) == queue.device.serial_here() for c in got)
+    assert len({id(c) for c, _, _ in here.held_runs} | {id(c) for c in here.held}) == \
+        len({id(t) for t in tensors})  # one copy a tensor
+    for t in tensors:  # what the model does next does not change what was held
+        t.zero_()
+    queue.device.flush()
+    for cell, want in zip(got, wants):
+        assert _same(stats_of(cell), want)
+    assert not (here.held or here.held_runs or here.held_elements)
+
+
+@pytest.mark.parametrize("runs, one_after_another", [
+    ([(0, 4), (4, 8)], False),            # not known to be of one length
+    ([(4, 8), (8, 12)], True),            # not from the first element
+    ([(0, 4), (4, 8)], True),             # not to the last
+], ids=["any-runs", "offset", "short"])
+def test_runs_that_do_not_tile_their_tensor_are_measured_at_once(runs, one_after_another):
+    """Runs that are not the rows of their tensor (a prefill's prompts of several lengths, a
+    slice of the tensor) are not held: the side is measured when it resolves, as before."""
+    from atb_probe.capture.stats_reuse import StatsCache
+    cache = StatsCache()
+    queue = cache.new_queue()
+    t = torch.randn(12) if runs[0][0] else torch.randn(3, 4)
+    whole = cache.fresh(t, queue)
+    cells = cache.fresh_runs(t, runs, queue, one_after_another)
+    assert not queue._holdable()
+    queue.resolve(later=True)
+    assert all(c[-1] == READY for c in [whole, *cells])
+    assert not queue.device._here.__dict__.get("held_runs")
+    assert _same(stats_of(whole), _numpy_one(t))
+    for (start, stop), cell in zip(runs, cells):
+        assert _same(stats_of(cell), _numpy_one(t.reshape(-1)[start:stop]))
+
+
+def test_held_runs_that_cannot_be_stacked_are_measured_tensor_by_tensor(monkeypatch):
+    """Where torch cannot stack a group of held copies cut by runs, each copy's runs are
+    measured by `compute_runs`: the same numbers, nothing lost."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("stack: not for this dtype here")
+
+    tensors = [torch.randn(4, 8) for _ in range(3)]
+    runs = [(k * 8, (k + 1) * 8) for k in range(4)]
+    want = [stats_of(c) for t in tensors for c in _run_slices(t, runs, True)]
+    monkeypatch.setattr(statistics.torch, "stack", refuse)
+    device = DeviceStatistics()
+    cells = _cells(12)
+    device.hold([], [], [(t, runs, cells[4 * k:4 * k + 4], True)
+                         for k, t in enumerate(tensors)])
+    device.flush()
+    for cell, w in zip(cells, want):
+        assert _same(stats_of(cell), w)
+
+
 def test_each_thread_gathers_into_buffers_of_its_own():
     """A thread's gathered cells wait under its own serial, and one thread's flush leaves
     another's cells waiting."""

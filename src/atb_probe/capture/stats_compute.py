@@ -652,49 +652,78 @@ class DeviceStatistics:
             return here.serial
         except AttributeError:
             here.serial, here.buffers, here.sizes = new_serial(), {}, {}
-            here.held, here.held_cells, here.held_elements = [], [], 0
+            here.held, here.held_cells, here.held_runs, here.held_elements = [], [], [], 0
             return here.serial
 
-    def hold(self, tensors: list, cells: list) -> None:
+    def hold(self, tensors: list, cells: list, runs: list = ()) -> None:
         """Queue the statistics of small contiguous host `tensors` into `cells` until the
         calling thread's next `flush`, as its accelerator statistics wait: each is copied now
         (the model may write it in place later), and the copies are measured together then
-        (`_measure_held`), each giving the bits it gives alone. On the model's path a side of a decode step then costs a copy a tensor,
-        where measuring it there cost a dozen torch and numpy calls, each paid with the
-        model's data in the caches. At most HOLD_ELEMENTS wait."""
+        (`_measure_held`), each giving the bits it gives alone. On the model's path a side of
+        a decode step then costs a copy a tensor, where measuring it there cost a dozen torch
+        and numpy calls, each paid with the model's data in the caches. `runs`: (tensor,
+        runs, cells, True) entries of `StatsCache.fresh_runs` whose runs tile their tensor
+        (`Queue._holdable`), each run measured as `compute_runs` measures it; a tensor both
+        measured whole and cut is copied once. At most HOLD_ELEMENTS wait."""
         serial = self.serial_here()
         here = self._here
         held, held_cells = here.held, here.held_cells
+        copies: dict = {}  # id(tensor) -> its copy
         for t, cell in zip(tensors, cells):
-            held.append(_values(t).clone())
+            copy = copies.get(id(t))
+            if copy is None:
+                copy = copies[id(t)] = _values(t).clone()
+                here.held_elements += t.numel()
+            held.append(copy)
             held_cells.append(cell)
-            here.held_elements += t.numel()
             pack(cell, 0, 0.0, 0.0, 0.0, 0.0, serial, QUEUED)
+        for t, t_runs, run_cells, _ in runs:
+            copy = copies.get(id(t))
+            if copy is None:
+                copy = copies[id(t)] = _values(t).clone()
+                here.held_elements += t.numel()
+            here.held_runs.append((copy, len(t_runs), run_cells))
+            for cell in run_cells:
+                pack(cell, 0, 0.0, 0.0, 0.0, 0.0, serial, QUEUED)
         if here.held_elements > HOLD_ELEMENTS:
             self._measure_held()
 
     def _measure_held(self) -> None:
         """Fill the cells of what the calling thread's `hold` copied: the copies of one dtype
         and shape stacked, converted as `prepare` converts each, and measured as the rows of
-        one array (`_rows`), which gives each what `_one` gives it alone."""
+        one array (`_rows`), which gives each what `_one` gives it alone; the runs of copies
+        of one dtype, shape and run count as the rows of one array likewise, which gives each
+        what `compute_runs` gives it."""
         here = self._here
-        tensors, cells = here.held, here.held_cells
-        here.held, here.held_cells, here.held_elements = [], [], 0
-        groups: dict = {}
+        tensors, cells, runs = here.held, here.held_cells, here.held_runs
+        here.held, here.held_cells, here.held_runs, here.held_elements = [], [], [], 0
+        groups: dict = {}  # (dtype, shape, runs a copy or 1 for whole) -> (copies, cells)
         for t, cell in zip(tensors, cells):
-            group = groups.get((t.dtype, t.shape))
+            group = groups.get((t.dtype, t.shape, 1))
             if group is None:
-                groups[t.dtype, t.shape] = ([t], [cell])
+                groups[t.dtype, t.shape, 1] = ([t], [cell])
             else:
                 group[0].append(t)
                 group[1].append(cell)
-        for members, member_cells in groups.values():
+        for t, count, run_cells in runs:
+            group = groups.get((t.dtype, t.shape, count))
+            if group is None:
+                groups[t.dtype, t.shape, count] = group = ([], [])
+            group[0].append(t)
+            group[1].extend(run_cells)
+        for (_, _, count), (members, member_cells) in groups.items():
             try:
                 with np.errstate(all="ignore"):
                     m = _as_float(torch.stack(members) if len(members) > 1 else members[0])
-                    _rows(m.numpy().reshape(len(members), -1), member_cells)
+                    _rows(m.numpy().reshape(len(members) * count, -1), member_cells)
             except Exception:  # (a dtype torch cannot stack here) one at a time, as ever
-                compute(members, member_cells, self)
+                if count == 1:
+                    compute(members, member_cells, self)
+                    continue
+                for k, t in enumerate(members):
+                    width = t.numel() // count
+                    compute_runs([(t, [(i * width, (i + 1) * width) for i in range(count)],
+                                   member_cells[k * count:(k + 1) * count], True)])
 
     def gather(self, tensors: list, cells: list) -> None:
         """Queue the statistics of accelerator `tensors` into `cells`: their values copied into
@@ -772,7 +801,7 @@ class DeviceStatistics:
         buffer, its cells filled by the landing thread. `landings.last()`, taken after this
         call, waits for them. What its `hold` copied is measured now."""
         here = self._here
-        if getattr(here, "held", None):
+        if getattr(here, "held", None) or getattr(here, "held_runs", None):
             self._measure_held()
         buffers = getattr(here, "buffers", None)
         if not buffers:

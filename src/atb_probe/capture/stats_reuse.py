@@ -5,8 +5,9 @@ batches: a lookup that misses queues the tensor and returns a pending cell (stat
 Each layer-level op execution has its own `Queue`. The recorder resolves it at the end of the
 execution when it sees the kernels inside (and before any kernel there that writes to its
 arguments, so what is queued still holds the values of the moment it was seen), and at once
-otherwise: there a module side's small contiguous host tensors are copied instead, and the
-copies measured when the thread hands its rows over (`DeviceStatistics.hold`). Queued tensors
+otherwise: there a module side's small contiguous host tensors (and the runs of them a request
+each, where those are their rows: a decode step's token per request) are copied instead, and
+the copies measured when the thread hands its rows over (`DeviceStatistics.hold`). Queued tensors
 are kept alive until then; `Queue.nbytes` lets the recorder bound that.
 
 With `save_child` the same values show up again and again: a kernel's output is the next
@@ -228,22 +229,36 @@ class Queue:
         measured whole and by runs (a request's tokens) is converted once for both. Then the
         outputs held here that something else still refers to go to the cache.
 
-        `later`: where every queued tensor is a small contiguous host tensor and none is cut
-        by runs (an op side of a decode step), they are copied instead and measured with the
-        thread's others when it hands its rows over (`DeviceStatistics.hold`)."""
+        `later`: where every queued tensor is a small contiguous host tensor, cut (if at all)
+        into runs of one length that tile it (an op side of a decode step, in vLLM a token
+        per request), they are copied instead and measured with the thread's others when it
+        hands its rows over (`DeviceStatistics.hold`)."""
         held = self.held
         if held:
             self.held = {}
-        if later and self.tensors and not self.runs and all(
-                type(t) in _PLAIN and t.is_cpu and t.numel() <= HOLD_LARGEST and
-                t.is_contiguous() for t in self.tensors):
-            self.device.hold(self.tensors, self.cells)
+        if later and (self.tensors or self.runs) and self._holdable():
+            self.device.hold(self.tensors, self.cells, self.runs)
             # (no reference to them left here: `_keep_held` counts what still refers to them)
-            self.tensors, self.cells, self.nbytes = [], [], 0
+            self.tensors, self.cells, self.runs, self.nbytes = [], [], [], 0
         elif self.tensors or self.runs:
             self._compute()
         if held:
             self.cache._keep_held(held)
+
+    def _holdable(self) -> bool:
+        """Whether `DeviceStatistics.hold` may take what is queued: plain, contiguous host
+        tensors of at most HOLD_LARGEST elements, and runs of one length, one after another
+        from the first element to the last (each run a row of the tensor)."""
+        for t in self.tensors:
+            if not (type(t) in _PLAIN and t.is_cpu and t.numel() <= HOLD_LARGEST and
+                    t.is_contiguous()):
+                return False
+        for t, runs, _, one_after_another in self.runs:
+            if not (one_after_another and type(t) in _PLAIN and t.is_cpu and
+                    t.numel() <= HOLD_LARGEST and t.is_contiguous() and runs[0][0] == 0 and
+                    len(runs) * runs[0][1] == t.numel()):
+                return False
+        return True
 
     def _compute(self) -> None:
         tensors, cells, runs = self.tensors, self.cells, self.runs
