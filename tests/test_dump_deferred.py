@@ -154,19 +154,24 @@ def test_a_tensor_written_in_place_later_in_the_layer_keeps_the_statistics_of_it
     assert float(add_out[0]["Max"]) == 106.0
 
 
+class Double(nn.Module):
+    def forward(self, x):
+        return x * 2.0
+
+
+class AddInPlace(nn.Module):
+    """Adds to its input in place, as vLLM's fused residual adds to the previous layer's
+    output."""
+
+    def forward(self, x):
+        return x.add_(100.0)
+
+
 def test_a_layer_output_written_in_place_by_the_next_layer_keeps_the_statistics_of_its_time(
         tmp_path):
     """Layer-level ops only (no kernels seen): a small output's statistics are measured with
     the round's rows, from a copy taken at its side, so the next layer adding to it in place
     (vLLM's fused residual does) changes the row of neither side before the write."""
-    class Double(nn.Module):
-        def forward(self, x):
-            return x * 2.0
-
-    class AddInPlace(nn.Module):
-        def forward(self, x):
-            return x.add_(100.0)
-
     class Root(nn.Module):
         def __init__(self):
             super().__init__()
@@ -192,14 +197,6 @@ def test_a_requests_slice_written_in_place_by_the_next_layer_keeps_the_statistic
     request's slice is copied with its tensor and measured with the round's rows too, so the
     next layer adding to it in place changes neither the whole rows nor the request rows of
     the sides before the write."""
-    class Double(nn.Module):
-        def forward(self, x):
-            return x * 2.0
-
-    class AddInPlace(nn.Module):
-        def forward(self, x):
-            return x.add_(100.0)
-
     class Root(nn.Module):
         def __init__(self):
             super().__init__()

@@ -412,6 +412,19 @@ def test_gathered_tensors_wait_for_the_flush_then_get_their_own_statistics(seed,
     assert not device._here.buffers  # the next round takes fresh buffers
 
 
+def _planted(shape, dtype, values: str, g) -> torch.Tensor:
+    """A random tensor of `shape` and `dtype` holding what `values` says: "normal", a "nan",
+    an "inf", or values so "huge" that float32 sums overflow."""
+    t = torch.randn(shape, generator=g) * 3
+    if values == "nan":
+        t.view(-1)[0] = float("nan")
+    elif values == "inf":
+        t.view(-1)[-1] = -float("inf")
+    elif values == "huge":
+        t.fill_(3e19)
+    return t > 0 if dtype is torch.bool else t.to(dtype)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([(1,), (3,), (1, 1, 64), (2, 50), (4096,)]),
                           st.sampled_from([torch.float32, torch.float64, torch.bfloat16,
@@ -426,16 +439,7 @@ def test_held_host_tensors_wait_for_the_flush_then_get_their_own_statistics(kind
     and the float64 fallback included, from the values it held when it was held, whatever
     the model wrote into it since."""
     g = torch.Generator().manual_seed(seed)
-    tensors = []
-    for shape, dtype, values in kinds:
-        t = torch.randn(shape, generator=g) * 3
-        if values == "nan":
-            t.view(-1)[0] = float("nan")
-        elif values == "inf":
-            t.view(-1)[-1] = -float("inf")
-        elif values == "huge":
-            t.fill_(3e19)  # float32 sums overflow
-        tensors.append(t > 0 if dtype is torch.bool else t.to(dtype))
+    tensors = [_planted(shape, dtype, values, g) for shape, dtype, values in kinds]
     want = [_numpy_one(t) for t in tensors]
     device = DeviceStatistics()
     cells = _cells(len(tensors))
@@ -521,14 +525,7 @@ def test_held_runs_of_a_side_get_what_compute_runs_gives_them(kinds, seed):
     queue = cache.new_queue()
     wants, got = [], []
     for shape, dtype, values, how in kinds:
-        t = torch.randn(shape, generator=g) * 3
-        if values == "nan":
-            t.view(-1)[0] = float("nan")
-        elif values == "inf":
-            t.view(-1)[-1] = -float("inf")
-        elif values == "huge":
-            t.fill_(3e19)
-        t = t.to(dtype)
+        t = _planted(shape, dtype, values, g)
         if how != "runs":
             wants.append(_numpy_one(t))
             got.append(cache.fresh(t, queue))
