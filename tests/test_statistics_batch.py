@@ -541,14 +541,13 @@ def test_held_runs_of_a_side_get_what_compute_runs_gives_them(kinds, seed):
     assert not (queue.tensors or queue.runs or queue.nbytes)
     here = queue.device._here
     assert all(c[-1] == QUEUED and waits_in(c) == queue.device.serial_here() for c in got)
-    assert len({id(c) for c, _, _ in here.held_runs} | {id(c) for c in here.held}) == \
-        len({id(t) for t in tensors})  # one copy a tensor
+    assert len({id(c) for c, _, _ in here.held}) == len({id(t) for t in tensors})  # one copy each
     for t in tensors:  # what the model does next does not change what was held
         t.zero_()
     queue.device.flush()
     for cell, want in zip(got, wants):
         assert _same(stats_of(cell), want)
-    assert not (here.held or here.held_runs or here.held_elements)
+    assert not (here.held or here.held_elements)
 
 
 @pytest.mark.parametrize("runs, one_after_another", [
@@ -568,7 +567,7 @@ def test_runs_that_do_not_tile_their_tensor_are_measured_at_once(runs, one_after
     assert not queue._holdable()
     queue.resolve(later=True)
     assert all(c[-1] == READY for c in [whole, *cells])
-    assert not queue.device._here.__dict__.get("held_runs")
+    assert not queue.device._here.__dict__.get("held")
     assert _same(stats_of(whole), _numpy_one(t))
     for (start, stop), cell in zip(runs, cells):
         assert _same(stats_of(cell), _numpy_one(t.reshape(-1)[start:stop]))

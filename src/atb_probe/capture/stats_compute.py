@@ -28,10 +28,11 @@ but for the Norm of a tensor of more than 4M elements, below):
   bfloat16, float16 and bool tensors of a batch are converted to float32 in one concatenation
   per dtype (`_convert_together`): the values each is measured over are the same.
 * A module side's small contiguous host tensors (at most 4096 elements each: a decode step's
-  hidden states, positions, logits) are copied when the side is seen and measured when the
-  thread hands its rows over, the copies of one dtype and shape as the rows of one array
-  (`DeviceStatistics.hold`), the same bits as alone: between two layers of the model each
-  torch or numpy call runs cold, and a dozen of them a tensor cost more than one copy.
+  hidden states, positions, logits), and their requests' runs where each is a row, are copied
+  when the side is seen and measured when the thread hands its rows over, the copies of one
+  dtype, shape and run count as the rows of one array (`DeviceStatistics.hold`), the same
+  bits as alone: between two layers of the model each torch or numpy call runs cold, and a
+  dozen of them a tensor cost more than one copy.
 * A tensor of more than SCRATCH_ELEMENTS (4M) elements measured in float32 is measured a part
   at a time (`_one_in_parts`), each part converted into memory its thread keeps: max, min and
   the sum are those of the whole array bit for bit (the parts are the ones numpy's pairwise
@@ -652,7 +653,7 @@ class DeviceStatistics:
             return here.serial
         except AttributeError:
             here.serial, here.buffers, here.sizes = new_serial(), {}, {}
-            here.held, here.held_cells, here.held_runs, here.held_elements = [], [], [], 0
+            here.held, here.held_elements = [], 0
             return here.serial
 
     def hold(self, tensors: list, cells: list, runs: list = ()) -> None:
@@ -667,50 +668,35 @@ class DeviceStatistics:
         measured whole and cut is copied once. At most HOLD_ELEMENTS wait."""
         serial = self.serial_here()
         here = self._here
-        held, held_cells = here.held, here.held_cells
+        held = here.held  # (copy, its runs, their cells): a tensor measured whole is one run
         copies: dict = {}  # id(tensor) -> its copy
-        for t, cell in zip(tensors, cells):
+        entries = [(t, 1, [cell]) for t, cell in zip(tensors, cells)]
+        entries += [(t, len(t_runs), run_cells) for t, t_runs, run_cells, _ in runs]
+        for t, count, t_cells in entries:
             copy = copies.get(id(t))
             if copy is None:
                 copy = copies[id(t)] = _values(t).clone()
                 here.held_elements += t.numel()
-            held.append(copy)
-            held_cells.append(cell)
-            pack(cell, 0, 0.0, 0.0, 0.0, 0.0, serial, QUEUED)
-        for t, t_runs, run_cells, _ in runs:
-            copy = copies.get(id(t))
-            if copy is None:
-                copy = copies[id(t)] = _values(t).clone()
-                here.held_elements += t.numel()
-            here.held_runs.append((copy, len(t_runs), run_cells))
-            for cell in run_cells:
+            held.append((copy, count, t_cells))
+            for cell in t_cells:
                 pack(cell, 0, 0.0, 0.0, 0.0, 0.0, serial, QUEUED)
         if here.held_elements > HOLD_ELEMENTS:
             self._measure_held()
 
     def _measure_held(self) -> None:
-        """Fill the cells of what the calling thread's `hold` copied: the copies of one dtype
-        and shape stacked, converted as `prepare` converts each, and measured as the rows of
-        one array (`_rows`), which gives each what `_one` gives it alone; the runs of copies
-        of one dtype, shape and run count as the rows of one array likewise, which gives each
-        what `compute_runs` gives it."""
+        """Fill the cells of what the calling thread's `hold` copied: the copies of one dtype,
+        shape and run count stacked, converted as `prepare` converts each, and their runs
+        measured as the rows of one array (`_rows`), which gives a tensor measured whole what
+        `_one` gives it alone and each run what `compute_runs` gives it."""
         here = self._here
-        tensors, cells, runs = here.held, here.held_cells, here.held_runs
-        here.held, here.held_cells, here.held_runs, here.held_elements = [], [], [], 0
-        groups: dict = {}  # (dtype, shape, runs a copy or 1 for whole) -> (copies, cells)
-        for t, cell in zip(tensors, cells):
-            group = groups.get((t.dtype, t.shape, 1))
-            if group is None:
-                groups[t.dtype, t.shape, 1] = ([t], [cell])
-            else:
-                group[0].append(t)
-                group[1].append(cell)
-        for t, count, run_cells in runs:
+        held, here.held, here.held_elements = here.held, [], 0
+        groups: dict = {}  # (dtype, shape, runs a copy) -> (copies, their runs' cells)
+        for t, count, cells in held:
             group = groups.get((t.dtype, t.shape, count))
             if group is None:
                 groups[t.dtype, t.shape, count] = group = ([], [])
             group[0].append(t)
-            group[1].extend(run_cells)
+            group[1].extend(cells)
         for (_, _, count), (members, member_cells) in groups.items():
             try:
                 with np.errstate(all="ignore"):
@@ -801,7 +787,7 @@ class DeviceStatistics:
         buffer, its cells filled by the landing thread. `landings.last()`, taken after this
         call, waits for them. What its `hold` copied is measured now."""
         here = self._here
-        if getattr(here, "held", None) or getattr(here, "held_runs", None):
+        if getattr(here, "held", None):
             self._measure_held()
         buffers = getattr(here, "buffers", None)
         if not buffers:
