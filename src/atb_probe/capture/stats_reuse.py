@@ -205,6 +205,12 @@ HOLD_LARGEST = 4096
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
+def _small_plain(t) -> bool:
+    """Whether `DeviceStatistics.hold` may copy `t`: a plain contiguous host tensor of at most
+    HOLD_LARGEST elements."""
+    return type(t) in _PLAIN and t.is_cpu and t.numel() <= HOLD_LARGEST and t.is_contiguous()
+
+
 class Queue:
     """Tensors of one thread's layer-level op execution whose statistics are pending, and
     their cells (see the module docstring)."""
@@ -250,12 +256,10 @@ class Queue:
         tensors of at most HOLD_LARGEST elements, and runs of one length, one after another
         from the first element to the last (each run a row of the tensor)."""
         for t in self.tensors:
-            if not (type(t) in _PLAIN and t.is_cpu and t.numel() <= HOLD_LARGEST and
-                    t.is_contiguous()):
+            if not _small_plain(t):
                 return False
         for t, runs, _, one_after_another in self.runs:
-            if not (one_after_another and type(t) in _PLAIN and t.is_cpu and
-                    t.numel() <= HOLD_LARGEST and t.is_contiguous() and runs[0][0] == 0 and
+            if not (one_after_another and _small_plain(t) and runs[0][0] == 0 and
                     len(runs) * runs[0][1] == t.numel()):
                 return False
         return True
