@@ -3,15 +3,22 @@
 A collective such as gloo's or NCCL's `c10d::allreduce_` writes into its argument without bumping
 the tensor's version counter, the way a row-parallel linear reduces its partial sum in place. The
 op registered here writes the same way (through `.data`); the output of the module around it must
-have the statistics of its values after the write, not those remembered from before.
+have the statistics of its values after the write, not those remembered from before. Between
+rounds a collective writes weights so (a trainer broadcasting new weights to its inference
+ranks): real gloo ranks under torchrun, and the next round has the new weight's statistics.
 """
 from __future__ import annotations
 
+import json
+import textwrap
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
+import atb_probe
 from conftest import Root, dump, only_proc, read_csv
-from harness import config
+from harness import config, torchrun_loaded
 
 _LIB = torch.library.Library("atbprobe_unbumped", "DEF")
 _LIB.define("double_into(Tensor(a!) x) -> ()")
@@ -47,3 +54,61 @@ def test_an_output_written_behind_the_version_counter_has_its_statistics_after_t
     by_op = {(r["Op Type"], r["Input/Output"], r["Index"]): float(r["Max"]) for r in rows}
     assert by_op["MulTensorKernel", "output", "0"] == 15.0      # before the write
     assert by_op["ReducesInPlace", "output", "0"] == 30.0       # after it
+
+
+BROADCASTS_A_WEIGHT = textwrap.dedent("""
+    import json, os, torch, torch.distributed as dist
+    from torch import nn
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    weight = net[0].weight
+    maxima = []
+    with torch.no_grad():
+        net(torch.ones(2, 4))            # round 0: this rank's own weight
+        maxima.append(weight.max().item())
+        dist.broadcast(weight, src=0)    # rank 0's weight, behind the version counter
+        net(torch.ones(2, 4))            # round 1
+        maxima.append(weight.max().item())
+    print(json.dumps({"rank": rank, "pid": os.getpid(), "maxima": maxima}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_weight_broadcast_between_rounds_has_its_new_statistics_in_the_next_round(tmp_path):
+    script = tmp_path / "broadcast_weight.py"
+    script.write_text(BROADCASTS_A_WEIGHT)
+    stdout = torchrun_loaded(tmp_path, config(task="statistics", save_child=True,
+                                              exec_range="0,1"), script)
+    runs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in runs) == [0, 1], stdout
+    for r in runs:
+        folder = tmp_path / "atb_dump_data" / "data" / f"{r['rank']}_{r['pid']}"
+        recorded = []
+        for round_ in ("0", "1"):
+            rows = read_csv(folder / round_ / "statistic.csv")
+            (weight_row,) = [row for row in rows if row["Op Type"] == "TKernel" and
+                             row["Input/Output"] == "input"]   # aten.t of the weight
+            recorded.append(float(weight_row["Max"]))
+        assert recorded == r["maxima"], r
+    rank1 = next(r for r in runs if r["rank"] == 1)
+    assert rank1["maxima"][0] != rank1["maxima"][1]   # the broadcast changed its weight
+
+
+def test_collectives_are_wrapped_only_while_the_probe_is_awake(tmp_path):
+    """Asleep (and gone), torch.distributed's own functions are back; awake, what wraps them
+    is theirs (a traceback, `inspect.signature`)."""
+    own = {name: getattr(dist, name) for name in ("broadcast", "all_reduce", "batch_isend_irecv")}
+    awake = {}
+    atb_probe.enable(str(tmp_path / "out"), config(task="statistics"))
+    try:
+        awake = {name: getattr(dist, name) for name in own}
+    finally:
+        assert atb_probe.disable(timeout=60)
+    for name, fn in own.items():
+        assert awake[name] is not fn and awake[name].__wrapped__ is fn
+        assert awake[name].__name__ == fn.__name__
+        assert getattr(dist, name) is fn
+        assert getattr(dist.distributed_c10d, name) is fn

@@ -39,7 +39,7 @@ from .frames import Below, Frame, RoundRun
 from .models import ModelCatalog, phase_of, uncompiled
 from .ops import OpWalker
 from .recorder import Recorder
-from .stats_reuse import watch_parameter_data
+from .stats_reuse import watch_writes
 from .tokens import call_layout
 from .vllm import VllmSteps
 
@@ -147,10 +147,10 @@ class Engine:
             # threads that hold one now can join a call midway (`_joined_mid_call`).
             self._mid_call_threads = _threads_in_module_calls()
             # What was measured before the probe slept may have changed meanwhile unseen
-            # (through `.data`, or a raw pointer): measure anew. While it is awake, a
-            # parameter's `.data` is watched (stats_reuse.py).
+            # (through `.data`, by a collective, or a raw pointer): measure anew. While it is
+            # awake, a parameter's `.data` and the collectives are watched (stats_reuse.py).
             self.recorder.stats.clear()
-            watch_parameter_data(True)
+            watch_writes(True)
 
     @property
     def awake(self) -> bool:
@@ -192,7 +192,7 @@ class Engine:
             nn.Module.__call__ = self._original
         self._wrapper = None
         self.sleep_requested = False
-        watch_parameter_data(False)
+        watch_writes(False)
 
     def after_fork(self) -> None:
         """In a forked child only the forking thread survives: start its stack afresh; its

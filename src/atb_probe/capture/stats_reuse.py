@@ -52,6 +52,14 @@ the parameter, its views and the kernel outputs over its memory stops matching. 
 vLLM's `RMSNorm` passing `self.weight.data` to its kernel, only costs that parameter a new
 measurement.) The engine clears the cache when the probe wakes, for writes made while it slept.
 
+A collective writes its tensors the same way, behind their counters (gloo's and NCCL's
+`c10d::broadcast_`, `allreduce_`...), and weights are written so between rounds: a trainer
+broadcasting new weights to its inference ranks, DDP syncing a model's parameters. Inside a
+dumped round the kernel capture sees such a kernel (`StatsCache.forget`); between rounds, while
+the probe is awake, the `torch.distributed` functions that write in place are wrapped
+(`watch_collectives`) to give what they wrote a new data epoch when they return, as `.data`
+does for a parameter.
+
 One exception makes kernel outputs special. Inside `__torch_dispatch__` a view made by the
 kernel does not share its base's version counter yet (autograd's view tracking sits above the
 Python dispatch key and links them only after the kernel returns), so a kernel output is never
@@ -60,8 +68,11 @@ over the same memory (a view kernel), which is safe when the kernel writes to no
 arguments; and its own statistics are cached only when it owns fresh memory (no input shares
 its storage), whose version counter is its own for good.
 
-A write into a tensor's memory that bypasses PyTorch (through a numpy view or a raw pointer)
-bumps no version counter and is not seen while the probe is awake; nor is a write through the
+A write into a tensor's memory that bypasses PyTorch (through a numpy view or a raw pointer, as
+vLLM's own NCCL wrapper writes) bumps no version counter and is not seen while the probe is
+awake; nor is one by a collective called through a reference to its function taken before the
+probe woke, or by `irecv` (alone: a batch's are seen), or one completing after an `async_op`
+collective returned, in a round not dumped; nor is a write through the
 `.data` alias of a tensor that is no parameter or view of one (a buffer, an activation), nor
 one through a `.data` alias kept from before the parameter's statistics were computed, nor one
 inside code that `torch.compile` compiled (it takes `.data` without the property), in a round
@@ -69,6 +80,8 @@ not dumped.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import os
 import threading
@@ -116,7 +129,8 @@ def _owner(t: torch.Tensor) -> torch.Tensor:
 
 def version_of(t: torch.Tensor):
     """What says `t`'s values changed: its version counter, with its owner's data epoch when
-    that parameter's `.data` was taken (see the module docstring); None when there is none."""
+    that owner may have been written behind the counter (a parameter's `.data` taken, a
+    collective's write: see the module docstring); None when there is none."""
     # Inference tensors (made under torch.inference_mode, as serving engines run) have no
     # version counter; asking raises, and a raised C++ error costs ~15 us.
     if t.is_inference():
@@ -135,7 +149,7 @@ def version_of(t: torch.Tensor):
 
 # -- writes through a parameter's `.data` --------------------------------------------------------
 
-_DATA_EPOCHS: dict = {}  # id(parameter) -> its latest data epoch; the entry goes with it
+_DATA_EPOCHS: dict = {}  # id(owner) -> its latest data epoch; the entry goes with the owner
 _next_epoch = itertools.count(1).__next__
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # the getter and setter the property wraps
 _watchers = 0
@@ -147,8 +161,14 @@ def _data_taken(t) -> None:
     values may change behind its version counter; give it a new data epoch."""
     base = t._base
     p = t if base is None else base
-    if not isinstance(p, _PARAMETER):
-        return
+    if isinstance(p, _PARAMETER):
+        _new_epoch(p)
+
+
+def _new_epoch(p) -> None:
+    """`p`'s values may have changed behind its version counter: give it a new data epoch, so
+    that whatever was kept for it, its views and the kernel outputs over its memory stops
+    matching (`version_of`)."""
     key = id(p)
     if key not in _DATA_EPOCHS:
         try:
@@ -175,6 +195,15 @@ def _set_data(self, value):
 # and would break its graph at `_base`.
 _TENSOR, _PARAMETER = torch.Tensor, nn.Parameter
 _WATCHED_DATA = property(_get_data, _set_data, doc=_TENSOR_DATA.__doc__)
+
+
+def watch_writes(on: bool) -> None:
+    """Watch (`on`) or stop watching, once the last awake probe asks, the writes that bump no
+    version counter but can be seen from Python: through a parameter's `.data`
+    (`watch_parameter_data`) and by the collectives of `torch.distributed`
+    (`watch_collectives`)."""
+    watch_parameter_data(on)
+    watch_collectives(on)
 
 
 def watch_parameter_data(on: bool) -> None:
@@ -595,3 +624,119 @@ def _stale_entry(key, entry) -> bool:
     """`_entries`: memory key + (version,) -> (weak reference to the owner, cell)."""
     owner = entry[0]()
     return owner is None or version_of(owner) != key[-1]
+
+
+# -- writes by collectives between rounds --------------------------------------------------------
+
+# The functions of torch.distributed that write tensors in place, and the parameter naming what
+# they write (a tensor or a list of tensors). `isend` and `irecv` are left as they are: `P2POp`
+# takes only the very functions of torch; a batch's receives are marked by the wrapper of
+# `batch_isend_irecv`.
+_COLLECTIVES = {
+    "broadcast": "tensor", "all_reduce": "tensor", "reduce": "tensor", "recv": "tensor",
+    "scatter": "tensor", "all_gather": "tensor_list", "gather": "gather_list",
+    "all_gather_into_tensor": "output_tensor", "_all_gather_base": "output_tensor",
+    "reduce_scatter": "output", "reduce_scatter_tensor": "output",
+    "_reduce_scatter_base": "output", "all_to_all": "output_tensor_list",
+    "all_to_all_single": "output", "all_reduce_coalesced": "tensors",
+}
+_collective_watchers = 0
+_wrapped: list = []  # (module, name, the function found there, its wrapper) while installed
+
+
+def _mark_written(written) -> None:
+    """A collective wrote `written` (a tensor, a list of them, or None): new data epochs for
+    their owners. (An inference tensor has no counter, so nothing is kept for it.)"""
+    for t in (written,) if isinstance(written, torch.Tensor) else written or ():
+        if isinstance(t, torch.Tensor) and not t.is_inference():
+            base = t._base
+            _new_epoch(t if base is None else base)
+
+
+def _writes_at(fn, name: str, index: int | None = None):
+    """A wrapper of the collective `fn` that marks what it wrote (its argument `name`, at
+    position `index`, else where `fn`'s signature puts it) once it returns; None when `fn`
+    has no such argument. Compiled code calls `fn` itself (torch.compile traces it)."""
+    if index is None:
+        try:
+            index = list(inspect.signature(fn).parameters).index(name)
+        except (TypeError, ValueError):  # no signature, or another one
+            return None
+
+    @functools.wraps(fn)
+    def collective(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _mark_written(args[index] if len(args) > index else kwargs.get(name))
+
+    return collective
+
+
+def _batch_writes(fn, irecv):
+    """A wrapper of `batch_isend_irecv` (`fn`) that marks the tensors of its receives."""
+    @functools.wraps(fn)
+    def batch_isend_irecv(p2p_op_list):
+        if torch.compiler.is_compiling():
+            return fn(p2p_op_list)
+        try:
+            return fn(p2p_op_list)
+        finally:
+            _mark_written([op.tensor for op in p2p_op_list if getattr(op, "op", None) is irecv])
+
+    return batch_isend_irecv
+
+
+@functools.lru_cache(maxsize=None)
+def _collective_wrappers() -> tuple:
+    """(module, name, function, its wrapper) for each collective to wrap, in the
+    `torch.distributed` package and the module that defines them: made once (a signature is
+    read for each), installed at each wake-up where that function is still there."""
+    if not (hasattr(torch, "distributed") and torch.distributed.is_available()):
+        return ()
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    made = {}
+    for name, argument in _COLLECTIVES.items():
+        fn = getattr(c10d, name, None)
+        if fn is not None:
+            made[name] = _writes_at(fn, argument)
+    if getattr(c10d, "batch_isend_irecv", None) is not None and hasattr(c10d, "irecv"):
+        made["batch_isend_irecv"] = _batch_writes(c10d.batch_isend_irecv, c10d.irecv)
+    wrappers = []
+    for module in (dist, c10d):
+        for name, wrapper in made.items():
+            if wrapper is not None and getattr(module, name, None) is wrapper.__wrapped__:
+                wrappers.append((module, name, wrapper.__wrapped__, wrapper))
+    # DDP syncs a model's parameters and buffers with this one (`dist._broadcast_coalesced`,
+    # a C++ function: (process group, tensors, buffer size, source)).
+    fn = getattr(dist, "_broadcast_coalesced", None)
+    if fn is not None:
+        wrappers.append((dist, "_broadcast_coalesced", fn, _writes_at(fn, "tensors", 1)))
+    return tuple(wrappers)
+
+
+def watch_collectives(on: bool) -> None:
+    """Install (`on`) or take back, once the last awake probe asks, the wrappers of the
+    collectives of `torch.distributed` that write in place (`_COLLECTIVES`). A function that
+    another tool has replaced is left alone (its writes are not seen); a wrapper of ours that
+    another one has wrapped since stays in the chain, marking what it writes."""
+    global _collective_watchers
+    with _watch_lock:
+        _collective_watchers = max(0, _collective_watchers + (1 if on else -1))
+        if _collective_watchers and not _wrapped:
+            try:
+                wrappers = _collective_wrappers()
+            except Exception:  # a torch.distributed unlike the one known here: not watched
+                wrappers = ()
+            for module, name, fn, wrapper in wrappers:
+                if getattr(module, name, None) is fn:  # (else another tool's: left alone)
+                    setattr(module, name, wrapper)
+                    _wrapped.append((module, name, fn, wrapper))
+        elif not _collective_watchers and _wrapped:
+            for module, name, fn, wrapper in _wrapped:
+                if getattr(module, name, None) is wrapper:
+                    setattr(module, name, fn)
+            _wrapped.clear()
