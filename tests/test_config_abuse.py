@@ -499,3 +499,35 @@ def test_config_broken_mid_run_keeps_the_last_good_one(tmp_path, capfd):
     err = capfd.readouterr().err
     assert sum("last good configuration" in line for line in err.splitlines()) <= 1
     assert "Traceback" not in err
+
+
+def test_a_poll_beside_the_background_thread_returns_once_its_config_is_applied(tmp_path,
+                                                                                monkeypatch):
+    """The background thread has read a saved config and not yet applied it when another
+    thread polls: that poll must not return before the config is in effect (it saw the file
+    as already read, and returned at once)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config(dump_enable=False)))
+    handing_over = threading.Event()
+    hand_over = ConfigWatcher._hand_over
+
+    def slow_hand_over(self, cfg):
+        if threading.current_thread() is not threading.main_thread():
+            handing_over.set()
+            time.sleep(0.3)  # the background thread, preempted between reading and applying
+        hand_over(self, cfg)
+
+    probe = atb_probe.enable(str(tmp_path / "out"), config=str(path))
+    monkeypatch.setattr(ConfigWatcher, "_hand_over", slow_hand_over)
+    try:
+        assert not probe.engine.awake
+        fresh = tmp_path / "config.json.new"
+        fresh.write_text(json.dumps(config()))
+        fresh.replace(path)
+        probe._wake_watcher()
+        wait_until(handing_over.is_set, 10, "the background thread to read the new config")
+        probe.poll_config()
+        assert probe.engine.awake
+    finally:
+        monkeypatch.undo()
+        assert atb_probe.disable(timeout=30)

@@ -94,6 +94,7 @@ class Probe:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()  # wakes the background thread before its next poll
+        self._poll_lock = threading.Lock()  # one `poll_config` at a time (the watcher's state)
 
     def _writer_process_helps(self) -> bool:
         """Whether a writer process would help (record/sidecar.py): the model leaves a core
@@ -196,9 +197,12 @@ class Probe:
             self._stop.wait(STATUS_MIN_INTERVAL)
 
     def poll_config(self) -> None:
-        """Apply the config file if it changed (or appeared, or vanished) since last time."""
+        """Apply the config file if it changed (or appeared, or vanished) since last time.
+        A caller beside the background thread returns once any poll under way has applied
+        what it read."""
         if self.watcher is not None:
-            self.watcher.poll()
+            with self._poll_lock:
+                self.watcher.poll()
 
     def _wake_watcher(self) -> None:
         self._wake.set()

@@ -9,7 +9,7 @@ last good configuration stays) and `problem` says why; the warning waits for the
 an editor caught between truncating and writing the file causes no warning at all.
 
 All state here is touched by one thread at a time: the probe's start, then its background
-thread.
+thread, and any other caller of `Probe.poll_config` (which holds a lock for the poll).
 """
 from __future__ import annotations
 
