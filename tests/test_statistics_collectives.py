@@ -113,3 +113,24 @@ def test_collectives_are_wrapped_only_while_the_probe_is_awake(tmp_path):
         assert awake[name].__name__ == fn.__name__
         assert getattr(dist, name) is fn
         assert getattr(dist.distributed_c10d, name) is fn
+
+
+def test_code_compiled_while_awake_calling_a_collective_keeps_its_whole_graph(tmp_path):
+    """A wrapped collective in code that `torch.compile` traces is torch's own to it: the
+    graph stays whole (`fullgraph`), and the result is the collective's."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def doubled_and_reduced(x):
+            y = x * 2.0
+            dist.all_reduce(y)
+            return y + 1.0
+
+        atb_probe.enable(str(tmp_path / "out"), config(task="statistics"))
+        try:
+            assert dist.all_reduce.__wrapped__ is not None
+            compiled = torch.compile(doubled_and_reduced, backend="eager", fullgraph=True)
+            assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+        finally:
+            assert atb_probe.disable(timeout=60)
+    finally:
+        dist.destroy_process_group()

@@ -71,8 +71,8 @@ its storage), whose version counter is its own for good.
 A write into a tensor's memory that bypasses PyTorch (through a numpy view or a raw pointer, as
 vLLM's own NCCL wrapper writes) bumps no version counter and is not seen while the probe is
 awake; nor is one by a collective called through a reference to its function taken before the
-probe woke, or by `irecv` (alone: a batch's are seen), or one completing after an `async_op`
-collective returned, in a round not dumped; nor is a write through the
+probe woke, or by `irecv` (alone: a batch's are seen), or by an `async_op` collective after
+its call returned, in a round not dumped; nor is a write through the
 `.data` alias of a tensor that is no parameter or view of one (a buffer, an activation), nor
 one through a `.data` alias kept from before the parameter's statistics were computed, nor one
 inside code that `torch.compile` compiled (it takes `.data` without the property), in a round
