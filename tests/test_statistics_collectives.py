@@ -99,8 +99,9 @@ def test_a_weight_broadcast_between_rounds_has_its_new_statistics_in_the_next_ro
 
 
 def test_collectives_are_wrapped_only_while_the_probe_is_awake(tmp_path):
-    """Asleep (and gone), torch.distributed's own functions are back; awake, what wraps them
-    is theirs (a traceback, `inspect.signature`)."""
+    """Awake, the collectives are wrapped, each wrapper with its function's name and
+    signature (`functools.wraps`); once the probe is gone, torch.distributed's own functions
+    are back."""
     own = {name: getattr(dist, name) for name in ("broadcast", "all_reduce", "batch_isend_irecv")}
     awake = {}
     atb_probe.enable(str(tmp_path / "out"), config(task="statistics"))
@@ -116,8 +117,8 @@ def test_collectives_are_wrapped_only_while_the_probe_is_awake(tmp_path):
 
 
 def test_code_compiled_while_awake_calling_a_collective_keeps_its_whole_graph(tmp_path):
-    """A wrapped collective in code that `torch.compile` traces is torch's own to it: the
-    graph stays whole (`fullgraph`), and the result is the collective's."""
+    """Code that `torch.compile` traces while the probe is awake and that calls a wrapped
+    collective compiles to one graph (`fullgraph`), and gets the collective's result."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         def doubled_and_reduced(x):
