@@ -649,20 +649,12 @@ def _mark_written(written) -> None:
     their owners. (An inference tensor has no counter, so nothing is kept for it.)"""
     for t in (written,) if isinstance(written, torch.Tensor) else written or ():
         if isinstance(t, torch.Tensor) and not t.is_inference():
-            base = t._base
-            _new_epoch(t if base is None else base)
+            _new_epoch(_owner(t))
 
 
-def _writes_at(fn, name: str, index: int | None = None):
-    """A wrapper of the collective `fn` that marks what it wrote (its argument `name`, at
-    position `index`, else where `fn`'s signature puts it) once it returns; None when `fn`
-    has no such argument. Compiled code calls `fn` itself (torch.compile traces it)."""
-    if index is None:
-        try:
-            index = list(inspect.signature(fn).parameters).index(name)
-        except (TypeError, ValueError):  # no signature, or another one
-            return None
-
+def _marking(fn, written):
+    """A wrapper of the collective `fn` that marks what it wrote, `written(args, kwargs)`,
+    once it returns. Compiled code calls `fn` itself (torch.compile traces it)."""
     @functools.wraps(fn)
     def collective(*args, **kwargs):
         if torch.compiler.is_compiling():
@@ -670,52 +662,52 @@ def _writes_at(fn, name: str, index: int | None = None):
         try:
             return fn(*args, **kwargs)
         finally:
-            _mark_written(args[index] if len(args) > index else kwargs.get(name))
+            _mark_written(written(args, kwargs))
 
     return collective
 
 
-def _batch_writes(fn, irecv):
-    """A wrapper of `batch_isend_irecv` (`fn`) that marks the tensors of its receives."""
-    @functools.wraps(fn)
-    def batch_isend_irecv(p2p_op_list):
-        if torch.compiler.is_compiling():
-            return fn(p2p_op_list)
+def _argument(fn, name: str, index: int | None = None):
+    """What a call of `fn` passes as its argument `name` (at position `index`, else where
+    `fn`'s signature puts it), as a function of (args, kwargs); None when `fn` has no such
+    argument."""
+    if index is None:
         try:
-            return fn(p2p_op_list)
-        finally:
-            _mark_written([op.tensor for op in p2p_op_list if getattr(op, "op", None) is irecv])
-
-    return batch_isend_irecv
+            index = list(inspect.signature(fn).parameters).index(name)
+        except (TypeError, ValueError):  # no signature, or another one
+            return None
+    return lambda args, kwargs: args[index] if len(args) > index else kwargs.get(name)
 
 
 @functools.lru_cache(maxsize=None)
 def _collective_wrappers() -> tuple:
     """(module, name, function, its wrapper) for each collective to wrap, in the
     `torch.distributed` package and the module that defines them: made once (a signature is
-    read for each), installed at each wake-up where that function is still there."""
+    read for each), installed at each wake-up where that function is there."""
     if not (hasattr(torch, "distributed") and torch.distributed.is_available()):
         return ()
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
-    made = {}
-    for name, argument in _COLLECTIVES.items():
-        fn = getattr(c10d, name, None)
-        if fn is not None:
-            made[name] = _writes_at(fn, argument)
-    if getattr(c10d, "batch_isend_irecv", None) is not None and hasattr(c10d, "irecv"):
-        made["batch_isend_irecv"] = _batch_writes(c10d.batch_isend_irecv, c10d.irecv)
-    wrappers = []
-    for module in (dist, c10d):
-        for name, wrapper in made.items():
-            if wrapper is not None and getattr(module, name, None) is wrapper.__wrapped__:
-                wrappers.append((module, name, wrapper.__wrapped__, wrapper))
+    what = {name: (getattr(c10d, name, None), argument)
+            for name, argument in _COLLECTIVES.items()}
     # DDP syncs a model's parameters and buffers with this one (`dist._broadcast_coalesced`,
-    # a C++ function: (process group, tensors, buffer size, source)).
-    fn = getattr(dist, "_broadcast_coalesced", None)
-    if fn is not None:
-        wrappers.append((dist, "_broadcast_coalesced", fn, _writes_at(fn, "tensors", 1)))
-    return tuple(wrappers)
+    # a C++ function without a signature: (process group, tensors, buffer size, source)).
+    broadcast_coalesced = getattr(dist, "_broadcast_coalesced", None)
+    made = {}
+    for name, (fn, argument) in what.items():
+        written = _argument(fn, argument) if fn is not None else None
+        if written is not None:
+            made[name] = (fn, _marking(fn, written))
+    if broadcast_coalesced is not None:
+        made["_broadcast_coalesced"] = (broadcast_coalesced, _marking(
+            broadcast_coalesced, _argument(broadcast_coalesced, "tensors", 1)))
+    batch, irecv = getattr(c10d, "batch_isend_irecv", None), getattr(c10d, "irecv", None)
+    if batch is not None and irecv is not None:
+        made["batch_isend_irecv"] = (batch, _marking(batch, lambda args, kwargs: [
+            op.tensor for op in (args[0] if args else kwargs.get("p2p_op_list", ()))
+            if getattr(op, "op", None) is irecv]))
+    return tuple((module, name, fn, wrapper) for module in (dist, c10d)
+                 for name, (fn, wrapper) in made.items())
 
 
 def watch_collectives(on: bool) -> None:
