@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -114,6 +115,18 @@ def test_collectives_are_wrapped_only_while_the_probe_is_awake(tmp_path):
         assert awake[name].__name__ == fn.__name__
         assert getattr(dist, name) is fn
         assert getattr(dist.distributed_c10d, name) is fn
+
+
+def test_a_collective_that_refuses_its_arguments_raises_its_own_error_while_awake(tmp_path):
+    """What a wrapped collective raises for arguments it refuses is torch's own error, not
+    one from looking for what it wrote."""
+    atb_probe.enable(str(tmp_path / "out"), config(task="statistics"))
+    try:
+        assert dist.batch_isend_irecv.__wrapped__ is not None
+        with pytest.raises(ValueError, match="p2p_op_list"):
+            dist.batch_isend_irecv(5)
+    finally:
+        assert atb_probe.disable(timeout=60)
 
 
 def test_code_compiled_while_awake_calling_a_collective_keeps_its_whole_graph(tmp_path):

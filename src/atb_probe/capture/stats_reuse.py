@@ -644,12 +644,18 @@ _collective_watchers = 0
 _wrapped: list = []  # (module, name, the function found there, its wrapper) while installed
 
 
-def _mark_written(written) -> None:
-    """A collective wrote `written` (a tensor, a list of them, or None): new data epochs for
-    their owners. (An inference tensor has no counter, so nothing is kept for it.)"""
-    for t in (written,) if isinstance(written, torch.Tensor) else written or ():
-        if isinstance(t, torch.Tensor) and not t.is_inference():
-            _new_epoch(_owner(t))
+def _mark_written(written, args, kwargs) -> None:
+    """A collective called with `args` and `kwargs` wrote `written(args, kwargs)` (a tensor, a
+    list of them, or None): new data epochs for their owners. (An inference tensor has no
+    counter, so nothing is kept for it.) Arguments the collective refused name nothing: its
+    own error is what its caller gets."""
+    try:
+        found = written(args, kwargs)
+        for t in (found,) if isinstance(found, torch.Tensor) else found or ():
+            if isinstance(t, torch.Tensor) and not t.is_inference():
+                _new_epoch(_owner(t))
+    except Exception:
+        pass
 
 
 def _marking(fn, written):
@@ -662,7 +668,7 @@ def _marking(fn, written):
         try:
             return fn(*args, **kwargs)
         finally:
-            _mark_written(written(args, kwargs))
+            _mark_written(written, args, kwargs)
 
     return collective
 
@@ -688,16 +694,15 @@ def _collective_wrappers() -> tuple:
         return ()
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
-    what = {name: (getattr(c10d, name, None), argument)
-            for name, argument in _COLLECTIVES.items()}
-    # DDP syncs a model's parameters and buffers with this one (`dist._broadcast_coalesced`,
-    # a C++ function without a signature: (process group, tensors, buffer size, source)).
-    broadcast_coalesced = getattr(dist, "_broadcast_coalesced", None)
     made = {}
-    for name, (fn, argument) in what.items():
+    for name, argument in _COLLECTIVES.items():
+        fn = getattr(c10d, name, None)
         written = _argument(fn, argument) if fn is not None else None
         if written is not None:
             made[name] = (fn, _marking(fn, written))
+    # DDP syncs a model's parameters and buffers with this one (`dist._broadcast_coalesced`,
+    # a C++ function without a signature: (process group, tensors, buffer size, source)).
+    broadcast_coalesced = getattr(dist, "_broadcast_coalesced", None)
     if broadcast_coalesced is not None:
         made["_broadcast_coalesced"] = (broadcast_coalesced, _marking(
             broadcast_coalesced, _argument(broadcast_coalesced, "tensors", 1)))
