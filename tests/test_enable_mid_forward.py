@@ -2,6 +2,8 @@
 not a round, the next call of the model is round 0, whole (calltree.py, `_joined_mid_call`)."""
 from __future__ import annotations
 
+import sys
+import textwrap
 import threading
 
 import torch
@@ -9,7 +11,7 @@ from torch import nn
 
 import atb_probe
 
-from harness import config
+from harness import config, run
 
 
 class Outer(nn.Module):
@@ -83,3 +85,35 @@ def test_a_forward_running_in_another_thread_at_enable_is_no_round_until_it_ends
         go.set()
         assert atb_probe.disable(timeout=30)
     assert rounds_written(tmp_path) == {"0": ["0_Linear", "1_Linear"]}
+
+
+def test_looking_at_every_threads_stack_survives_a_collection_inside_it():
+    """The wake-up's look at every thread's stack (for the module calls begun before it) holds
+    the garbage collector off: up to Python 3.11 a collection starting inside
+    `sys._current_frames` that frees a `threading.local` hangs the process for good (CPython
+    gh-106883; the script, with the call made directly, hangs there)."""
+    script = textwrap.dedent("""
+        import gc, sys, threading
+        from atb_probe.process.stacks import current_frames
+
+        class Litter:  # cyclic garbage holding thread-local data
+            pass
+
+        def litter():
+            for _ in range(50):
+                item = Litter()
+                item.local, item.me = threading.local(), item
+                item.local.x = 1
+
+        gc.collect()
+        litter()
+        spare = {}
+        del spare  # the dict it returns comes from the free list, so the first collection
+        gc.set_threshold(1)  # starts where it makes a frame object: inside
+        frames = current_frames()
+        gc.set_threshold(700)
+        print("done", threading.get_ident() in frames, gc.isenabled(), "torch" in sys.modules)
+    """)
+    result = run([sys.executable, "-c", script], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["done", "True", "True", "False"]

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .. import log
+from ..process.stacks import current_frames
 from ..rounds import RoundSource
 from .checkpoint import DtypeNotice
 from .frames import Below, Frame, RoundRun
@@ -564,5 +565,4 @@ def _in_module_call(frame) -> bool:
 
 def _threads_in_module_calls() -> set[int]:
     """The threads whose stack holds a module's call now."""
-    return {ident for ident, frame in sys._current_frames().items()
-            if _in_module_call(frame)}
+    return {ident for ident, frame in current_frames().items() if _in_module_call(frame)}
