@@ -23,6 +23,9 @@ everything else are the probe's own. Each variant adds a step to `walk`:
   for;
 * `stat-layer`: atb-probe's `stat-layer` case, as it is.
 
+The replaced recording writes no derived_statistic.csv sums and no request_statistic.csv rows:
+a `transformers` model's sides have neither (vLLM's do).
+
 The distance between `copies+rows` and `stat-layer` is what the statistics cost (their cache,
 their computation and their cells); `copies+rows` against the goal (1.3 on `small`, 1.15 on
 `large`) says whether a design that computes statistics for nothing could meet it here.
@@ -53,7 +56,7 @@ from workload import Workload, spec
 VARIANTS = ("walk", "refs", "copies", "refs+rows", "copies+rows", "stat-layer")
 
 
-def _side(kept: list | None, copy: bool, rows: bool):
+def _side(kept: list, copy: bool, rows: bool):
     """A `Recorder.write_side` whose module sides keep (`copy`: copy) their dumpable tensors
     in `kept` and, with `rows`, hand over their statistic.csv rows with a constant cell;
     kernel sides go to the probe's own."""
