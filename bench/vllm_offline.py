@@ -21,6 +21,16 @@ effect), which gives `stat-layer / sleeping` within one engine. Engine start-up
 is not timed. With `--compiled`, vLLM compiles the model (its default): the dumped steps of
 `stat-layer` run eagerly, so its ratio includes what eager costs against compiled.
 
+With `--floor VARIANT`, the awake probe's recording of each layer-level op side is that of
+`layer_floor.py`'s variant instead of `stat-layer`'s (`walk`: the rounds walked to their
+layer-level ops, nothing recorded; `refs` and `copies`: each side's tensors referenced or
+copied, nothing written; `refs+rows` and `copies+rows`: the same, and each side's
+statistic.csv row handed over with a constant cell, so each step's folder, statistic.csv and
+tokens.json are written). `bench/floor_site/sitecustomize.py` puts the variant in every
+process of the engine, and says so on stderr, which the bench checks. The variants write no
+request_statistic.csv and no derived_statistic.csv rows, which vLLM's sides have: what they
+cost is less than the least a design that writes SPEC's files would cost here.
+
 The sleeping engine also reads the worker's threads' own scheduler counters
 (/proc/PID/task/TID/schedstat, nanoseconds) around each generation: the CPU time each thread
 ran and the time it waited, runnable, for a CPU, asleep against awake, by thread name (the
@@ -46,6 +56,9 @@ from pathlib import Path
 from disk import disk_file_us, disk_note
 
 CASES = ("unprobed", "sleeping", "stat-layer")
+FLOORS = ("walk", "refs", "copies", "refs+rows", "copies+rows")  # layer_floor.py's (`--floor`)
+FLOOR_SITE = Path(__file__).resolve().parent / "floor_site"
+FLOOR_MARK = "[bench] layer floor"  # what floor_site says on stderr where it took effect
 PROMPTS = 8
 TOKENS = 32
 SCRIPTS = Path(__file__).resolve().parents[1] / "src" / "atb_probe" / "scripts" / "atb"
@@ -66,7 +79,7 @@ def child(args) -> None:
         for wake in ((False, True) if args.alternate else (False,))[::1 if i % 2 else -1]:
             worker = None
             if args.alternate:
-                worker = _set_awake(args.alternate, wake)
+                worker = _set_awake(args.alternate, wake, args.floor)
             before = _thread_times(worker)
             started = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
@@ -112,10 +125,10 @@ def _difference(after: dict, before: dict) -> dict:
             for name, (run, wait) in after.items()}
 
 
-def _set_awake(out: str, wake: bool) -> int | None:
+def _set_awake(out: str, wake: bool, floor: str | None = None) -> int | None:
     """Rewrite OUT/config.json and wait until the worker (the process with rounds, else the
     newest) has it in effect; its process ID."""
-    (Path(out) / "config.json").write_text(json.dumps(_config(wake)))
+    (Path(out) / "config.json").write_text(json.dumps(_config(wake, floor)))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         docs = []
@@ -133,9 +146,11 @@ def _set_awake(out: str, wake: bool) -> int | None:
     raise SystemExit("the worker did not apply the config in 30 s")
 
 
-def _config(wake: bool) -> dict:
-    return {"task": "statistics", "dump_enable": wake, "exec_range": "all", "ids": "",
-            "op_name": "", "save_child": False, "device": "", "filter_level": 1}
+def _config(wake: bool, floor: str | None = None) -> dict:
+    """stat-layer's config.json (`walk`: ids that match no op, as bench/run.py's walk-only)."""
+    return {"task": "statistics", "dump_enable": wake, "exec_range": "all",
+            "ids": "999999" if floor == "walk" else "", "op_name": "", "save_child": False,
+            "device": "", "filter_level": 1}
 
 
 def run_case(case: str, args, work: Path) -> tuple[float, float | None]:
@@ -143,10 +158,11 @@ def run_case(case: str, args, work: Path) -> tuple[float, float | None]:
     of its awake generations)."""
     out = work / f"{case}-{time.monotonic_ns()}"
     out.mkdir()
-    (out / "config.json").write_text(json.dumps(_config(case == "stat-layer")))
+    (out / "config.json").write_text(json.dumps(_config(case == "stat-layer", args.floor)))
     command = (f'"{sys.executable}" "{__file__}" --child --model "{args.model}" '
                f'--repeats {args.repeats}{" --compiled" if args.compiled else ""}'
-               f'{f" --alternate {out}" if case == "sleeping" else ""}')
+               f'{f" --alternate {out}" if case == "sleeping" else ""}'
+               f'{f" --floor {args.floor}" if args.floor else ""}')
     if case != "unprobed":
         command = (f'source "{SCRIPTS}/load_atb_probe.sh" --output="{out}" '
                    f'--config="{out}/config.json" >/dev/null && {command}')
@@ -155,14 +171,22 @@ def run_case(case: str, args, work: Path) -> tuple[float, float | None]:
            if not k.startswith("ATB_") or k.startswith("ATB_PROBE_WRITER")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
                VLLM_CACHE_ROOT=str(work / "vllm-cache"), VLLM_NO_USAGE_STATS="1")
+    if args.floor not in (None, "walk") and case != "unprobed":
+        # After the probe's bootstrap, which runs the `sitecustomize` it shadows: this one.
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(FLOOR_SITE), env.get("PYTHONPATH")) if p)
+        env["BENCH_LAYER_FLOOR"] = args.floor
     result = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True,
                             timeout=900)
     lines = [line for line in result.stdout.splitlines() if line.startswith("TIMES ")]
     if result.returncode or not lines:
         raise SystemExit(f"{case} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    if case != "unprobed":
+    if case != "unprobed" and (args.floor is None or args.floor.endswith("+rows")):
         rounds = list((out / "atb_dump_data" / "data").glob("*/*/statistic.csv"))
         assert rounds, f"{case} wrote no round"
+    if case != "unprobed" and args.floor not in (None, "walk"):
+        assert f"{FLOOR_MARK} {args.floor}" in result.stderr, \
+            f"{case}: no process of the engine recorded as `{args.floor}`"
     awake = [line for line in result.stdout.splitlines() if line.startswith("AWAKE ")]
     threads = [line for line in result.stdout.splitlines() if line.startswith("THREADS ")]
     if threads:
@@ -203,6 +227,9 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true",
                         help="let vLLM compile the model (default: enforce_eager)")
     parser.add_argument("--model", help="a checkpoint folder (default: a random Llama)")
+    parser.add_argument("--floor", choices=FLOORS,
+                        help="awake, record each layer-level op side as layer_floor.py's "
+                             "variant does, not as stat-layer does")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--alternate", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -231,14 +258,16 @@ def main() -> None:
                   + f"; in the sleeping engine, awake {awake * 1000:.0f} ms", file=sys.stderr)
     mode = "compiled" if args.compiled else "enforce_eager"
     model = "the small workload's Llama" if args.model.startswith(tmp) else args.model
+    floor = f"; awake: layer_floor.py's `{args.floor}`" if args.floor else ""
     print(f"vLLM offline, {PROMPTS} prompts x {TOKENS} tokens, {model}, {mode}, "
-          f"{args.pairs} pairs x {args.repeats} generations; {disk_note(disk_us)}\n")
+          f"{args.pairs} pairs x {args.repeats} generations; {disk_note(disk_us)}{floor}\n")
     print("| case | ratio to un-probed (pair range) |\n| --- | --- |")
     print(f"| unprobed | 1.00 ({statistics.median(base) * 1000:.0f} ms a generation) |")
+    awake = f"`{args.floor}`" if args.floor else "stat-layer"
     for case, values in ratios.items():
-        print(f"| {case} | {statistics.median(values):.2f} "
+        print(f"| {awake if case == 'stat-layer' else case} | {statistics.median(values):.2f} "
               f"({min(values):.2f}-{max(values):.2f}) |")
-    print(f"| stat-layer / sleeping, one engine alternating | "
+    print(f"| {awake} / sleeping, one engine alternating | "
           f"{statistics.median(same_engine):.2f} "
           f"({min(same_engine):.2f}-{max(same_engine):.2f}) |")
     if _THREADS and any(e["asleep"] and e["asleep"][0] for e in _THREADS):

@@ -73,3 +73,53 @@ def test_each_floor_variant_runs_and_puts_the_probes_own_recording_back(floor, t
         assert seconds > 0
         assert Recorder.write_side is original
         assert not os.path.exists(tmp_path / variant)  # deleted unless kept
+
+
+# A user script of two processes, each running a model with the probe loaded: the parent and a
+# child started by `multiprocessing`'s spawn, as a serving engine starts its worker.
+TWO_PROCESSES = """
+import multiprocessing
+import torch
+import atb_probe
+
+
+def run_model():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        model(torch.randn(3, 8))
+    assert atb_probe.active().writer.flush(60)
+
+
+if __name__ == "__main__":
+    run_model()
+    child = multiprocessing.get_context("spawn").Process(target=run_model)
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+"""
+
+
+@pytest.mark.parametrize("variant", [None, "copies+rows"])
+def test_the_floor_site_records_as_the_variant_in_every_process_of_a_loaded_program(
+        tmp_path, variant):
+    # vllm_offline.py --floor: bench/floor_site after the probe's bootstrap on PYTHONPATH.
+    from harness import config, run_loaded
+    env = {"PYTHONPATH": os.path.join(BENCH, "floor_site")}
+    if variant:
+        env["BENCH_LAYER_FLOOR"] = variant
+    result = run_loaded(tmp_path, TWO_PROCESSES, config(task="statistics"),
+                        env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    marks = [line for line in result.stderr.splitlines() if "[bench] layer floor" in line]
+    csvs = list((tmp_path / "atb_dump_data" / "data").glob("*/*/statistic.csv"))
+    assert len({p.parent.parent.name for p in csvs}) == 2  # a folder per process
+    stats = set()
+    for path in csvs:
+        with open(path, newline="") as f:
+            stats |= {tuple(r[k] for k in STATS) for r in csv.DictReader(f)}
+    if variant:
+        assert len(marks) == 2 and all(variant in m for m in marks), result.stderr
+        assert stats == {CONSTANT}
+    else:
+        assert not marks
+        assert CONSTANT not in stats and len(stats) > 1
