@@ -54,6 +54,13 @@ from cases import BY_NAME
 from workload import Workload, spec
 
 VARIANTS = ("walk", "refs", "copies", "refs+rows", "copies+rows", "stat-layer")
+REPLACED = ("refs", "copies", "refs+rows", "copies+rows")  # those that replace `write_side`
+
+
+def replaced_write_side(variant: str, kept) -> tuple:
+    """(the probe's `Recorder.write_side`, the one of `variant`, one of REPLACED), keeping
+    the sides' tensors (or their copies) in `kept` (anything with `append`)."""
+    return _side(kept, copy=variant.startswith("copies"), rows=variant.endswith("+rows"))
 
 
 def _side(kept: list, copy: bool, rows: bool):
@@ -106,9 +113,8 @@ class Variant:
         self.runner = BY_NAME[case].runner()
         self.kept: list = []
         self.write_side = None
-        if variant in ("refs", "copies", "refs+rows", "copies+rows"):
-            self.original, self.write_side = _side(self.kept, copy=variant.startswith("copies"),
-                                                   rows=variant.endswith("+rows"))
+        if variant in REPLACED:
+            self.original, self.write_side = replaced_write_side(variant, self.kept)
 
     def run(self, out: str, keep: bool = False) -> float:
         """One probed generation into `out`, its attachment made before and undone after (not

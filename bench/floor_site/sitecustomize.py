@@ -4,7 +4,7 @@
 PYTHONPATH after the probe's bootstrap, whose `sitecustomize` runs this one, and sets
 BENCH_LAYER_FLOOR to the variant. The engine's processes start from that environment, so in
 each of them, once `atb_probe.capture.recorder` is imported, `Recorder.write_side` becomes the
-variant's (`layer_floor._side`): the worker's module sides keep references or copies of their
+variant's (`layer_floor.replaced_write_side`): the worker's module sides keep references or copies of their
 tensors and, with rows, hand over their rows with a constant cell. Each process that installs
 it says so on stderr. With the variable unset nothing is installed.
 """
@@ -43,15 +43,17 @@ class _ReplaceWriteSide(importlib.abc.MetaPathFinder):
             import layer_floor
             # The copies live a while, as a design measuring them later would keep them; a
             # bounded deque frees the oldest, so a long run's memory stays flat.
-            _, module.Recorder.write_side = layer_floor._side(
-                deque(maxlen=_KEEP), copy=variant.startswith("copies"),
-                rows=variant.endswith("+rows"))
+            _, module.Recorder.write_side = layer_floor.replaced_write_side(
+                variant, deque(maxlen=_KEEP))
             sys.stderr.write(f"[bench] layer floor {variant} in process {os.getpid()}\n")
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+# layer_floor.REPLACED, not imported here: layer_floor imports torch, and the probe's
+# bootstrap attaches only once the program itself has imported torch.
+_VARIANTS = ("refs", "copies", "refs+rows", "copies+rows")
 _variant = os.environ.get("BENCH_LAYER_FLOOR", "")
-if _variant in ("refs", "copies", "refs+rows", "copies+rows"):
+if _variant in _VARIANTS:
     sys.meta_path.insert(0, _ReplaceWriteSide(_variant))
