@@ -1,10 +1,8 @@
-"""The writer thread yields the cores to the model's threads: it runs at nice 19 under the
-SCHED_IDLE policy (Linux), the model's threads keep their priority and policy, and
-`ATB_PROBE_WRITER_NICE` chooses another value (under the normal policy) or none.
+"""The writer thread yields the cores to the model's threads: it runs at nice 19 (Linux), the
+model's threads keep their priority, and `ATB_PROBE_WRITER_NICE` chooses another value or none.
 
 Measured in a real process started through the load script: the script dumps a round of a tiny
-model and prints each thread's nice value and scheduling policy, read from the kernel
-(`os.getpriority` and `os.sched_getscheduler` of its ID)."""
+model and prints each thread's nice value, read from the kernel (`os.getpriority` of its ID)."""
 from __future__ import annotations
 
 import json
@@ -25,25 +23,19 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 # After the flush (which hands the writer to a thread at the process's priority while it
 # waits), the script waits until the writer has yielded the cores again, or 30 s: a writer
-# that never does is seen at the process's priority. It prints each thread's nice value and
-# whether it runs under SCHED_IDLE.
+# that never does is seen at the process's priority.
 SCRIPT = ONE_ROUND_SCRIPT + """
 expected = int(os.environ.get("EXPECTED_WRITER_NICE", "19"))
-idle = expected == 19
-
-def priority(t):
-    return [os.getpriority(os.PRIO_PROCESS, t.native_id),
-            os.sched_getscheduler(t.native_id) == os.SCHED_IDLE]
-
 deadline = time.monotonic() + 30
 while True:
-    seen = {t.name: priority(t) for t in threading.enumerate() if t.is_alive()}
+    nice = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate()
+            if t.is_alive()}
     writers = [t for t in threading.enumerate() if t.name == "atb-probe-writer"]
-    if len(writers) == 1 and seen.get("atb-probe-writer") == [expected, idle] or \
+    if len(writers) == 1 and nice.get("atb-probe-writer") == expected or \
             time.monotonic() > deadline:
         break
     time.sleep(0.01)
-print(json.dumps(seen))
+print(json.dumps(nice))
 """
 
 
@@ -51,11 +43,6 @@ def _nice_by_thread(tmp, prefix: str = "", **env: str) -> dict:
     """Each thread's nice value in `prefix python SCRIPT` (e.g. `nice -n 5`), started through the
     load script with `env` (EXPECTED_WRITER_NICE: what the script waits for the writer to
     take); the round must be dumped without a warning."""
-    return {name: nice for name, (nice, _) in _priority_by_thread(tmp, prefix, **env).items()}
-
-
-def _priority_by_thread(tmp, prefix: str = "", **env: str) -> dict:
-    """`_nice_by_thread`, each value with whether the thread runs under SCHED_IDLE."""
     tmp.mkdir(exist_ok=True)
     script = tmp / "user_script.py"
     script.write_text(SCRIPT)
@@ -70,15 +57,9 @@ def _priority_by_thread(tmp, prefix: str = "", **env: str) -> dict:
 
 
 def test_the_writer_runs_at_the_lowest_priority_and_the_model_at_its_own(tmp_path):
-    priority = _priority_by_thread(tmp_path)
-    assert priority["atb-probe-writer"] == [19, True]  # nice 19, SCHED_IDLE
-    assert priority["MainThread"] == [0, False] and priority["atb-probe-watch"] == [0, False]
-
-
-def test_a_writer_nice_value_above_the_lowest_keeps_the_normal_policy(tmp_path):
-    priority = _priority_by_thread(tmp_path, ATB_PROBE_WRITER_NICE="10",
-                                   EXPECTED_WRITER_NICE="10")
-    assert priority["atb-probe-writer"] == [10, False]
+    nice = _nice_by_thread(tmp_path)
+    assert nice["atb-probe-writer"] == 19
+    assert nice["MainThread"] == 0 and nice["atb-probe-watch"] == 0
 
 
 @pytest.mark.parametrize("value, expected", [("0", 0), ("10", 10), ("99", 19), ("-5", 0),
@@ -109,9 +90,7 @@ class _Gate:
 
 
 def _writer_threads() -> dict:
-    """Each writer thread's (nice value, whether it runs under SCHED_IDLE)."""
-    return {t.native_id: (os.getpriority(os.PRIO_PROCESS, t.native_id),
-                          os.sched_getscheduler(t.native_id) == os.SCHED_IDLE)
+    return {t.native_id: os.getpriority(os.PRIO_PROCESS, t.native_id)
             for t in threading.enumerate() if t.name == "atb-probe-writer" and t.is_alive()}
 
 
@@ -125,12 +104,11 @@ def test_a_thread_waiting_for_the_writer_gets_one_at_its_own_priority(tmp_path, 
     writer.put(TensorFileJob("d", "first.bin", [b"x" * 1000], 1000, ready=gate))
     writer.put(JsonJob("d", "second.json", {"after": "first"}))
     assert gate.entered.wait(30)
-    wait_until(lambda: list(_writer_threads().values()) == [(19, True)], 30,
-               "the writer yielding")
+    wait_until(lambda: list(_writer_threads().values()) == [19], 30, "the writer yielding")
     flushed = []
     flusher = threading.Thread(target=lambda: flushed.append(writer.flush(60)))
     flusher.start()
-    wait_until(lambda: sorted(_writer_threads().values()) == [(0, False), (19, True)], 30,
+    wait_until(lambda: sorted(_writer_threads().values()) == [0, 19], 30,
                "a second writer thread, at the process's priority, beside the busy one")
     assert not (tmp_path / "d" / "second.json").exists()  # it waits for the first job
     gate.opened.set()
@@ -138,7 +116,7 @@ def test_a_thread_waiting_for_the_writer_gets_one_at_its_own_priority(tmp_path, 
     assert flushed == [True]
     assert (tmp_path / "d" / "first.bin").read_bytes() == b"x" * 1000
     assert json.loads((tmp_path / "d" / "second.json").read_text()) == {"after": "first"}
-    wait_until(lambda: list(_writer_threads().values()) == [(19, True)], 30,
+    wait_until(lambda: list(_writer_threads().values()) == [19], 30,
                "one writer thread, yielding again")
     assert writer.close(30)
 
@@ -151,10 +129,10 @@ def test_a_flush_with_nothing_queued_leaves_the_yielding_writer_alone(tmp_path, 
     writer.put(JsonJob("d", "doc.json", {"n": 1}))
     assert writer.flush(60)
     assert json.loads((tmp_path / "d" / "doc.json").read_text()) == {"n": 1}
-    wait_until(lambda: list(_writer_threads().values()) == [(19, True)], 30,
+    wait_until(lambda: list(_writer_threads().values()) == [19], 30,
                "one writer thread, yielding again")
     before = [t for t in threading.enumerate() if t.name == "atb-probe-writer"]
     assert writer.flush(60)
     after = [t for t in threading.enumerate() if t.name == "atb-probe-writer"]
-    assert after == before and list(_writer_threads().values()) == [(19, True)]
+    assert after == before and list(_writer_threads().values()) == [19]
     assert writer.close(30)

@@ -21,15 +21,14 @@ wake-up costs the model a GIL hand-over, and the writes done while the model run
 than the same writes done together. A tensor file is written at once, with everything queued
 before it: it holds memory.
 
-The writer thread runs at the lowest CPU priority (`yield_the_cores`: nice 19, and on Linux the
-`SCHED_IDLE` policy): a model's own threads (OpenMP, oneDNN) often wait for each other by
-spinning on every core, and a writer at their priority that takes a core from one of them in
-the middle of a kernel stalls the whole kernel until that thread runs again. At the lowest
-priority it writes in the time the cores leave idle. When a thread waits for it (a producer for
-room, `flush`, `close`), waiting is all that thread does, and other processes may keep the
-cores busy: the writer is then handed over to a new thread at the process's priority (a thread
-cannot take back a priority it gave up), which yields the cores again once nothing waits
-(`_hurry`).
+The writer thread runs at the lowest CPU priority (`yield_the_cores`): a model's own threads
+(OpenMP, oneDNN) often wait for each other by spinning on every core, and a writer at their
+priority that takes a core from one of them in the middle of a kernel stalls the whole kernel
+until that thread runs again. At the lowest priority it writes in the time the cores leave
+idle. When a thread waits for it (a producer for room, `flush`, `close`), waiting is all that
+thread does, and other processes may keep the cores busy: the writer is then handed over to a
+new thread at the process's priority (a thread cannot take back a priority it gave up), which
+yields the cores again once nothing waits (`_hurry`).
 
 A job is a typed record (record/jobs.py) that carries everything the writer needs: a tensor
 file's job holds the Tensor Path cell of the row that names it, and marks it missing when the
@@ -743,15 +742,7 @@ def yields(nice: int | None = None) -> bool:
 def yield_the_cores() -> None:
     """Give the calling thread the CPU priority `ATB_PROBE_WRITER_NICE` says (default 19, the
     lowest; 0 leaves it as the process's, as does any value not above the thread's own).
-    Lowering one needs privileges and is never asked for.
-
-    At 19 the thread also takes Linux's `SCHED_IDLE` policy, the lowest there is: a thread
-    of the model that wakes (an OpenMP worker at the start of a kernel, vLLM's worker at the
-    next step) then always takes the core from it at once, where one at nice 19 may still
-    wait for the writer's time slice to end. The model ran a little faster beside it in most
-    of the runs that compared the two, by less than a run's spread (docs/performance.md, "The
-    writer yields the cores"). A thread that waits for the writer is never left behind it
-    (`_hurry`), whatever the policy."""
+    Lowering one needs privileges and is never asked for."""
     nice = _nice_from_env()
     if not yields(nice):
         return  # elsewhere PRIO_PROCESS with a thread ID would renice the whole process
@@ -759,10 +750,8 @@ def yield_the_cores() -> None:
         tid = threading.get_native_id()
         if nice > os.getpriority(os.PRIO_PROCESS, tid):
             os.setpriority(os.PRIO_PROCESS, tid, nice)
-        if nice >= WRITER_NICE and hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     except OSError:
-        pass  # refused (a sandbox): the writer runs at the process's priority (or nice 19)
+        pass  # refused (a sandbox): the writer runs at the process's priority
 
 
 def _min_free_from_env() -> int:
