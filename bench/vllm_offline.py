@@ -19,13 +19,13 @@ itself: it alternates generations asleep and awake (statistics of every step's l
 ops; config.json rewritten between them, and the worker's status file read until it is in
 effect), which gives `stat-layer / sleeping` within one engine. An awake generation is timed
 until `generate` returns; the probe's writer may still be writing its rows then, so before
-the next asleep generation the bench also waits until the worker's status says nothing is
-queued (`bytes_queued`, `model_files_pending`, `round_open`): the asleep generations do not
-pay for the awake ones' files (the writer thread at the lowest priority on the worker's core
-otherwise wrote them there, 7.8 ms of its CPU an asleep generation against 0.9 awake, one
-day's run). Engine start-up
-is not timed. With `--compiled`, vLLM compiles the model (its default): the dumped steps of
-`stat-layer` run eagerly, so its ratio includes what eager costs against compiled.
+the next asleep generation the bench also waits until the worker's status shows nothing to
+come (`atb-probe status`'s test: bytes queued, a model file pending, a round open): the
+asleep generations do not pay for the awake ones' files (the writer thread at the lowest
+priority on the worker's core otherwise wrote them there, 7.8 ms of its CPU an asleep
+generation against 0.9 awake, one day's run). Engine start-up is not timed. With
+`--compiled`, vLLM compiles the model (its default): the dumped steps of `stat-layer` run
+eagerly, so its ratio includes what eager costs against compiled.
 
 With `--floor VARIANT`, the awake probe's recording of each layer-level op side is that of
 `layer_floor.py`'s variant instead of `stat-layer`'s (`walk`: the rounds walked to their
@@ -59,6 +59,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from atb_probe.tools.status import unfinished
 from disk import disk_file_us, disk_note
 
 CASES = ("unprobed", "sleeping", "stat-layer")
@@ -148,16 +149,10 @@ def _set_awake(out: str, wake: bool, floor: str | None = None) -> int | None:
                                  d.get("started_at", "")))
         doc = docs[-1] if docs else {}
         if (doc.get("config_in_effect") or {}).get("dump_enable", False) == wake and \
-                (wake or _all_written(doc)):
+                (wake or not unfinished(doc)):
             return doc.get("pid")
         time.sleep(0.05)
     raise SystemExit("the worker did not apply the config (and write its files) in 30 s")
-
-
-def _all_written(status: dict) -> bool:
-    """Whether a process's status file says every file it was handed is on disk."""
-    return not (status.get("bytes_queued") or status.get("model_files_pending")
-                or status.get("round_open"))
 
 
 def _config(wake: bool, floor: str | None = None) -> dict:

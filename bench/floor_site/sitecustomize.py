@@ -4,9 +4,9 @@
 PYTHONPATH after the probe's bootstrap, whose `sitecustomize` runs this one, and sets
 BENCH_LAYER_FLOOR to the variant. The engine's processes start from that environment, so in
 each of them, once `atb_probe.capture.recorder` is imported, `Recorder.write_side` becomes the
-variant's (`layer_floor.replaced_write_side`): the worker's module sides keep references or copies of their
-tensors and, with rows, hand over their rows with a constant cell. Each process that installs
-it says so on stderr. With the variable unset nothing is installed.
+variant's (`layer_floor.replaced_write_side`): the worker's module sides keep references or
+copies of their tensors and, with rows, hand over their rows with a constant cell. Each process
+that installs it says so on stderr. With the variable unset nothing is installed.
 """
 import importlib.abc
 import importlib.util
